@@ -1,0 +1,31 @@
+"""capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing)."""
+
+from capsjax.routing import coupling_coefficients
+from capsjax.routing import dynamic_routing
+from capsjax.routing import em_routing
+from capsjax.routing import inverse_temperature_schedule
+from capsjax.routing import safe_norm
+from capsjax.routing import squash
+from capsjax.votes import conv_capsule_patches
+from capsjax.votes import conv_parent_normalizer
+from capsjax.votes import coordinate_addition
+from capsjax.votes import matrix_votes
+from capsjax.votes import shared_vector_votes
+from capsjax.votes import vector_votes
+
+__version__ = '0.1.0'
+
+__all__ = (
+    'conv_capsule_patches',
+    'conv_parent_normalizer',
+    'coordinate_addition',
+    'coupling_coefficients',
+    'dynamic_routing',
+    'em_routing',
+    'inverse_temperature_schedule',
+    'matrix_votes',
+    'safe_norm',
+    'shared_vector_votes',
+    'squash',
+    'vector_votes',
+)

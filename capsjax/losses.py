@@ -1,0 +1,92 @@
+"""Pure losses of both capsule papers and Su's transfer experiment.
+
+Shape legend: B the batch, K the classes, N the pixels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+
+def margin_loss(lengths: ArrayLike, labels: ArrayLike, *,
+                positive_margin: float = 0.9, negative_margin: float = 0.1,
+                negative_weight: float = 0.5) -> jax.Array:
+  """Sabour et al. eq. 4, summed over classes.
+
+  L_k = T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2.
+
+  Args:
+    lengths: [B, K] capsule lengths |v_k| (or scores p in [0, 1]).
+    labels: [B, K] targets T_k in {0, 1} (several ones allowed: MultiMNIST).
+  Returns:
+    [B] loss per example. Su's binary loss (seed 004) is
+    ``margin_loss(p, y, negative_weight=0.25)``.
+  """
+  lengths = jnp.asarray(lengths, jnp.float32)
+  labels = jnp.asarray(labels, jnp.float32)
+  present = labels * jnp.square(jax.nn.relu(positive_margin - lengths))
+  absent = negative_weight * (1.0 - labels) * jnp.square(
+      jax.nn.relu(lengths - negative_margin))
+  return jnp.sum(present + absent, axis=-1)
+
+
+def reconstruction_loss(reconstructions: ArrayLike, images: ArrayLike
+                        ) -> jax.Array:
+  """Sum of squared pixel errors per example (scale it by 0.0005 in CapsNet).
+
+  Args:
+    reconstructions: [B, ...] in [0, 1]; images: [B, ...] same size.
+  Returns:
+    [B].
+  """
+  reconstructions = jnp.asarray(reconstructions, jnp.float32)
+  images = jnp.asarray(images, jnp.float32).reshape(reconstructions.shape)
+  diff = reconstructions - images
+  return jnp.sum(jnp.square(diff).reshape(diff.shape[0], -1), axis=-1)
+
+
+def spread_loss(activations: ArrayLike, labels: ArrayLike, margin: ArrayLike
+                ) -> jax.Array:
+  """Hinton et al. 2018 eq. 3: sum_{i != t} max(0, m - (a_t - a_i))^2.
+
+  Args:
+    activations: [B, K] class activations a_i.
+    labels: [B] integer target class t.
+    margin: scalar m (see ``spread_loss_margin``).
+  Returns:
+    [B].
+  """
+  activations = jnp.asarray(activations, jnp.float32)
+  labels = jnp.asarray(labels)
+  one_hot = jax.nn.one_hot(labels, activations.shape[-1], dtype=jnp.float32)
+  target = jnp.sum(activations * one_hot, axis=-1, keepdims=True)
+  gaps = jnp.square(jax.nn.relu(margin - (target - activations)))
+  return jnp.sum(gaps * (1.0 - one_hot), axis=-1)
+
+
+def spread_loss_margin(step: ArrayLike, *, schedule: str = 'authors',
+                       total_steps: int = 50_000, start: float = 0.2,
+                       end: float = 0.9) -> jax.Array:
+  """The spread-loss margin m at a training step.
+
+  'linear': m grows linearly from ``start`` to ``end`` over ``total_steps``
+  (the paper's words). 'authors': m = 0.2 + 0.79 sigmoid(min(10, step/50000
+  - 4)) (the released code; ``total_steps`` is then the 50000 scale).
+  """
+  step = jnp.asarray(step, jnp.float32)
+  if schedule == 'linear':
+    return start + (end - start) * jnp.clip(step / total_steps, 0.0, 1.0)
+  if schedule == 'authors':
+    return 0.2 + 0.79 * jax.nn.sigmoid(jnp.minimum(10.0,
+                                                   step / total_steps - 4.0))
+  raise ValueError(f"schedule must be 'linear' or 'authors', got {schedule!r}.")
+
+
+def cross_entropy_loss(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
+  """Softmax cross-entropy, [B, K] logits and [B] integer labels -> [B]."""
+  logits = jnp.asarray(logits, jnp.float32)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.take_along_axis(log_probs, jnp.asarray(labels)[:, None],
+                              axis=-1)[:, 0]

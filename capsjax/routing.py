@@ -1,0 +1,412 @@
+"""Pure routing functions: squash, dynamic routing and EM routing.
+
+Shape legend: ``...`` are any leading batch dimensions, I the input (lower)
+capsules, O the output (higher) capsules, D the capsule dimension (the pose
+dimension, 16 for 4x4 poses, in EM routing).
+
+Everything here is a pure function of arrays: jit-able with the iteration
+count static, iterations run by ``lax.fori_loop``, correct under ``vmap`` and
+``grad``. Inputs may be float32 or bfloat16; all routing statistics (logits,
+couplings, means, variances, costs) are kept in float32 and the outputs are
+cast back to the votes' dtype. No Flax import: layers call these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+# Added under the square root of a squared norm: keeps the norm and its
+# gradient finite at the zero vector (the official squash divides by |s|).
+NORM_EPSILON = 1e-12
+# Added to every variance in EM routing (the Gaussians' variance floor). A zero
+# variance (all votes equal) would make log sigma = -inf. The authors' released
+# code uses 5e-4; pass variance_epsilon=5e-4 to use theirs.
+VARIANCE_FLOOR = 1e-4
+# Added to the mass sum_i R_ij a_i before it divides: a parent that receives no
+# mass (all-zero activations) gets mean 0 and variance = the floor, not 0/0.
+MASS_EPSILON = 1e-6
+# Final inverse temperature of the authors' schedule (their answer in the
+# OpenReview thread and their released code).
+FINAL_INVERSE_TEMPERATURE = 0.01
+# Keeps the std of the normalised cost away from zero (identical costs).
+COST_STD_EPSILON = 1e-6
+_LOG_2PI = math.log(2.0 * math.pi)
+
+Normalizer = Callable[[jax.Array], jax.Array]
+
+
+def _float32(x: ArrayLike) -> jax.Array:
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _check_iterations(num_iterations: int) -> None:
+  if not isinstance(num_iterations, int) or num_iterations < 1:
+    raise ValueError(
+        f'num_iterations must be a positive int (the routing iterations are '
+        f'unrolled statically), got {num_iterations!r}.')
+
+
+def safe_norm(x: ArrayLike, axis: int = -1, keepdims: bool = False,
+              eps: float = NORM_EPSILON) -> jax.Array:
+  """Euclidean norm sqrt(|x|^2 + eps): finite value and gradient at zero.
+
+  Args:
+    x: [..., D] (the reduced axis is ``axis``).
+  Returns:
+    [...] (or [..., 1] with ``keepdims``).
+  """
+  x = jnp.asarray(x)
+  return jnp.sqrt(jnp.sum(jnp.square(x), axis=axis, keepdims=keepdims) + eps)
+
+
+def squash(s: ArrayLike, axis: int = -1, *, constant: float = 1.0,
+           eps: float = NORM_EPSILON) -> jax.Array:
+  """|s|^2 / (constant + |s|^2) * s / |s| (Sabour et al. 2017, eq. 1).
+
+  Keeps the direction of ``s`` and maps its length into [0, 1). A zero vector
+  maps to zero with a finite gradient. ``constant=0.5`` is the variant that
+  seed 004 reports to work better.
+
+  Args:
+    s: [..., D] vectors (D along ``axis``).
+  Returns:
+    [..., D], same dtype as ``s``; computed in float32.
+  """
+  s = jnp.asarray(s)
+  s32 = _float32(s)
+  squared_norm = jnp.sum(jnp.square(s32), axis=axis, keepdims=True)
+  scale = squared_norm / (constant + squared_norm) * jax.lax.rsqrt(
+      squared_norm + eps)
+  return (scale * s32).astype(s.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Dynamic routing (Sabour, Frosst, Hinton 2017, Procedure 1).
+
+
+class DynamicRoutingState(NamedTuple):
+  logits: jax.Array  # b: [..., I, O]
+  outputs: jax.Array  # v: [..., O, D]
+
+
+def coupling_coefficients(logits: ArrayLike, *, leaky: bool = False
+                          ) -> jax.Array:
+  """c_i = softmax over the OUTPUT capsules of b_i.
+
+  The softmax runs over the output axis: each input capsule splits itself
+  among the outputs. (Normalising over the input axis is the classic bug of
+  open ports.) ``leaky=True`` is the official code's extra zero logit that
+  absorbs orphan votes: softmax over [0, b_i1 .. b_iO], first entry dropped,
+  so the coefficients of an input sum to less than 1.
+
+  Args:
+    logits: [..., I, O]
+  Returns:
+    [..., I, O]
+  """
+  logits = jnp.asarray(logits)
+  if not leaky:
+    return jax.nn.softmax(logits, axis=-1)
+  log_total = jnp.logaddexp(0.0, jax.nn.logsumexp(logits, axis=-1,
+                                                  keepdims=True))
+  return jnp.exp(logits - log_total)
+
+
+def _route_votes(votes: jax.Array, coupling: jax.Array,
+                 bias: jax.Array | None, squash_constant: float) -> jax.Array:
+  """v_j = squash(sum_i c_ij u_hat_j|i [+ bias_j]): [..., I, O, D] -> [..., O, D]."""
+  s = jnp.einsum('...io,...iod->...od', coupling, votes)
+  if bias is not None:
+    s = s + bias
+  return squash(s, constant=squash_constant)
+
+
+def dynamic_routing(
+    votes: ArrayLike,
+    num_iterations: int = 3,
+    *,
+    accumulate: bool = True,
+    leaky: bool = False,
+    squash_constant: float = 1.0,
+    bias: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Routing by agreement (Sabour et al. 2017, Procedure 1).
+
+      b = 0
+      repeat num_iterations times:
+        c = softmax_O(b); v = squash(sum_i c u_hat [+ bias])
+        b = b + <u_hat, v>     (accumulate=False: b = <u_hat, v>)
+
+  The logit update after the last iteration is not computed (it would not be
+  used). Gradients flow through every iteration, as in the official code.
+
+  Args:
+    votes: [..., I, O, D] predictions u_hat_j|i, any leading batch dims.
+    num_iterations: static number of routing iterations (>= 1); 1 gives
+      uniform coupling 1/O.
+    accumulate: True is the paper's b += <u_hat, v>; False is Su's
+      non-accumulating fixed-point update b = <u_hat, v> (seed 004).
+    leaky: add the official code's zero "orphan" logit.
+    squash_constant: the constant in |s|^2 / (constant + |s|^2).
+    bias: optional [..., O, D] (broadcastable) added to s before the squash,
+      as the official code's learned bias.
+  Returns:
+    (outputs, coupling): outputs [..., O, D] = v after the last iteration, in
+    the votes' dtype; coupling [..., I, O] = the c that produced ``outputs``
+    (float32; sums to 1 over O unless ``leaky``).
+  """
+  _check_iterations(num_iterations)
+  votes = jnp.asarray(votes)
+  if votes.ndim < 3:
+    raise ValueError(
+        f'votes must be [..., in_caps, out_caps, dim], got shape {votes.shape}.')
+  out_dtype = votes.dtype
+  votes32 = _float32(votes)
+  bias32 = None if bias is None else _float32(bias)
+
+  def step(_, state: DynamicRoutingState) -> DynamicRoutingState:
+    coupling = coupling_coefficients(state.logits, leaky=leaky)
+    outputs = _route_votes(votes32, coupling, bias32, squash_constant)
+    agreement = jnp.einsum('...iod,...od->...io', votes32, outputs)
+    logits = state.logits + agreement if accumulate else agreement
+    return DynamicRoutingState(logits, outputs)
+
+  batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]
+  init = DynamicRoutingState(
+      logits=jnp.zeros(batch_shape + (num_in, num_out), jnp.float32),
+      outputs=jnp.zeros(batch_shape + (num_out, dim), jnp.float32))
+  state = jax.lax.fori_loop(0, num_iterations - 1, step, init)
+  coupling = coupling_coefficients(state.logits, leaky=leaky)
+  outputs = _route_votes(votes32, coupling, bias32, squash_constant)
+  return outputs.astype(out_dtype), coupling
+
+
+# ----------------------------------------------------------------------------
+# EM routing (Hinton, Sabour, Frosst 2018, Procedure 1).
+
+
+def inverse_temperature_schedule(
+    num_iterations: int, final: float = FINAL_INVERSE_TEMPERATURE
+) -> tuple[float, ...]:
+  """The authors' schedule lambda_t = final * (1 - 0.95^(t+1)), t = 0..T-1."""
+  _check_iterations(num_iterations)
+  return tuple(final * (1.0 - 0.95 ** (t + 1)) for t in range(num_iterations))
+
+
+def _inverse_temperatures(inverse_temperature, num_iterations: int
+                          ) -> jax.Array:
+  if inverse_temperature is None:
+    values = inverse_temperature_schedule(num_iterations)
+  elif isinstance(inverse_temperature, (int, float)):
+    values = (float(inverse_temperature),) * num_iterations
+  else:
+    values = jnp.asarray(inverse_temperature, jnp.float32)
+    if values.shape == ():
+      return jnp.full((num_iterations,), values)
+    if values.shape != (num_iterations,):
+      raise ValueError(
+          f'inverse_temperature must be None, a float or one value per '
+          f'iteration ({num_iterations}), got shape {values.shape}.')
+    return values
+  return jnp.asarray(values, jnp.float32)
+
+
+class EMRoutingState(NamedTuple):
+  log_assignments: jax.Array  # log R: [..., I, O]
+  poses: jax.Array  # mu: [..., O, D]
+  log_variances: jax.Array  # log sigma^2: [..., O, D]
+  activation_logits: jax.Array  # logit of a_j: [..., O]
+
+
+def log_softmax_over_parents(logits: jax.Array) -> jax.Array:
+  """The E-step's normaliser: each child's R sums to 1 over the O parents."""
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def em_m_step(
+    votes: jax.Array,
+    activations: jax.Array,
+    log_assignments: jax.Array,
+    beta_u: jax.Array,
+    beta_a: jax.Array,
+    inverse_temperature: jax.Array,
+    previous_poses: jax.Array,
+    *,
+    variance_epsilon: float = VARIANCE_FLOOR,
+    normalize_cost: bool = False,
+    center_momentum: float = 0.0,
+    activation_form: str = 'paper',
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One M-step: fit each parent's diagonal Gaussian and its activation.
+
+  Args:
+    votes: [..., I, O, D] float32.
+    activations: [..., I] float32 input activations a_i.
+    log_assignments: [..., I, O] log R.
+    beta_u, beta_a: broadcastable to [O].
+    inverse_temperature: scalar lambda.
+    previous_poses: [..., O, D] the last mean (used with center_momentum).
+  Returns:
+    (poses mu [..., O, D], log_variances [..., O, D], activation_logits [..., O]).
+  """
+  weights = jnp.exp(log_assignments) * activations[..., None]  # R_ij a_i
+  mass = jnp.sum(weights, axis=-2)  # [..., O]
+  normalized = weights / (mass[..., None, :] + MASS_EPSILON)
+  poses = jnp.einsum('...io,...iod->...od', normalized, votes)
+  if center_momentum:
+    # The released code's centre update mu = 0.9 new + 0.1 old (old = 0 at
+    # the first iteration, as there).
+    poses = (1.0 - center_momentum) * poses + center_momentum * previous_poses
+  # Two-pass variance: E[(V - mu)^2] never goes negative, E[V^2] - mu^2 can.
+  variances = jnp.einsum('...io,...iod->...od', normalized,
+                         jnp.square(votes - poses[..., None, :, :]))
+  log_variances = jnp.log(variances + variance_epsilon)
+  dim = votes.shape[-1]
+  if activation_form == 'paper':
+    # cost_h = (beta_u + log sigma_h) * sum_i R_ij a_i, log sigma = log var / 2.
+    cost = (dim * beta_u + 0.5 * jnp.sum(log_variances, axis=-1)) * mass
+  elif activation_form == 'authors':
+    # The released code: mass * (sum_h log var_h + beta_u D (log 2pi + 1)),
+    # and -5000 beta_a in place of +beta_a below.
+    cost = mass * (jnp.sum(log_variances, axis=-1)
+                   + beta_u * dim * (_LOG_2PI + 1.0))
+  else:
+    raise ValueError(
+        f"activation_form must be 'paper' or 'authors', got {activation_form!r}.")
+  if normalize_cost:
+    # Seed 002: a_cost = (mean_O cost - cost) / std_O cost; not in the paper.
+    mean = jnp.mean(cost, axis=-1, keepdims=True)
+    std = jnp.sqrt(jnp.mean(jnp.square(cost - mean), axis=-1, keepdims=True))
+    cost = (cost - mean) / (std + COST_STD_EPSILON)
+  if activation_form == 'paper':
+    activation_logits = inverse_temperature * (beta_a - cost)
+  else:
+    activation_logits = inverse_temperature * (-cost - 5000.0 * beta_a)
+  return poses, log_variances, activation_logits
+
+
+def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
+              activation_logits: jax.Array,
+              normalizer: Normalizer = log_softmax_over_parents) -> jax.Array:
+  """One E-step: R_ij proportional to a_j p_j(V_ij), in log space.
+
+  Args:
+    votes: [..., I, O, D]; poses, log_variances: [..., O, D];
+    activation_logits: [..., O].
+  Returns:
+    log R: [..., I, O] (normalised by ``normalizer``).
+  """
+  inv_var = jnp.exp(-log_variances)
+  sq_dist = jnp.einsum('...iod,...od->...io',
+                       jnp.square(votes - poses[..., None, :, :]), inv_var)
+  log_p = -0.5 * (sq_dist + jnp.sum(log_variances + _LOG_2PI, axis=-1)[
+      ..., None, :])
+  # log a_j = log sigmoid(logit): finite even where a_j underflows to 0.
+  log_a = jax.nn.log_sigmoid(activation_logits)
+  return normalizer(log_a[..., None, :] + log_p)
+
+
+def em_routing(
+    votes: ArrayLike,
+    activations: ArrayLike,
+    beta_u: ArrayLike,
+    beta_a: ArrayLike,
+    num_iterations: int = 3,
+    *,
+    inverse_temperature: float | Sequence[float] | ArrayLike | None = None,
+    variance_epsilon: float = VARIANCE_FLOOR,
+    normalize_cost: bool = False,
+    center_momentum: float = 0.0,
+    activation_form: str = 'paper',
+    assignment_normalizer: Normalizer | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """EM routing between capsule layers (Hinton et al. 2018, Procedure 1).
+
+      R = 1/O
+      for t in 0..T-1:
+        M-step with lambda_t: mu, sigma^2, a_j from R * a_i
+        E-step (all but the last t): R_ij = softmax_j(log a_j + log p_ij)
+
+  M-step: mu_j = sum_i R_ij a_i V_ij / sum_i R_ij a_i, sigma_j^2 the weighted
+  variance + ``variance_epsilon``, cost_h = (beta_u + log sigma_h) sum_i R_ij
+  a_i, a_j = sigmoid(lambda_t (beta_a - sum_h cost_h)). E-step with the full
+  diagonal-Gaussian log-density, in log space.
+
+  Args:
+    votes: [..., I, O, D] votes V_ij (D = 16 for 4x4 poses; any D works).
+    activations: [..., I] input activations a_i in [0, 1].
+    beta_u, beta_a: learned biases, broadcastable to [O] (one per output
+      capsule type).
+    num_iterations: static number of iterations T >= 1.
+    inverse_temperature: None for the authors' schedule
+      lambda_t = 0.01 (1 - 0.95^(t+1)); a float for a constant lambda; or a
+      sequence of T values.
+    variance_epsilon: the variance floor added to every sigma^2.
+    normalize_cost: replace the cost by (cost - mean_O) / std_O before the
+      logistic (seed 002's popular variant; not in the paper).
+    center_momentum: m in mu_t = (1 - m) mu_new + m mu_{t-1} (released code:
+      0.1, with mu_{-1} = 0). 0 is the paper.
+    activation_form: 'paper' (above) or 'authors', the released code's logit
+      lambda (-mass (sum_h log sigma_h^2 + beta_u D (log 2pi + 1)) - 5000
+      beta_a).
+    assignment_normalizer: maps the E-step's log-numerators [..., I, O] to
+      log R. Default: log-softmax over O. Convolutional capsule layers pass
+      one that normalises each child over every parent that receives its
+      votes across positions (the released code).
+  Returns:
+    (poses, out_activations, assignments): poses [..., O, D] = mu of the final
+    M-step (votes' dtype); out_activations [..., O] (votes' dtype);
+    assignments [..., I, O] = the R used by the final M-step before it is
+    multiplied by the input activations (float32; uniform 1/O when T = 1).
+  """
+  _check_iterations(num_iterations)
+  votes = jnp.asarray(votes)
+  activations = jnp.asarray(activations)
+  if votes.ndim < 3:
+    raise ValueError(
+        f'votes must be [..., in_caps, out_caps, pose_dim], got shape '
+        f'{votes.shape}.')
+  if activations.shape != votes.shape[:-2]:
+    raise ValueError(
+        f'activations must be [..., in_caps] = {votes.shape[:-2]} to match '
+        f'votes {votes.shape}, got {activations.shape}.')
+  out_dtype = votes.dtype
+  votes32 = _float32(votes)
+  activations32 = _float32(activations)
+  beta_u32, beta_a32 = _float32(beta_u), _float32(beta_a)
+  lambdas = _inverse_temperatures(inverse_temperature, num_iterations)
+  normalizer = assignment_normalizer or log_softmax_over_parents
+  m_step = lambda log_r, lam, prev: em_m_step(  # noqa: E731
+      votes32, activations32, log_r, beta_u32, beta_a32, lam, prev,
+      variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
+      center_momentum=center_momentum, activation_form=activation_form)
+
+  def iteration(t, state: EMRoutingState) -> EMRoutingState:
+    poses, log_variances, activation_logits = m_step(
+        state.log_assignments, lambdas[t], state.poses)
+    log_assignments = em_e_step(votes32, poses, log_variances,
+                                activation_logits, normalizer)
+    return EMRoutingState(log_assignments, poses, log_variances,
+                          activation_logits)
+
+  batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]
+  init = EMRoutingState(
+      log_assignments=jnp.full(batch_shape + (num_in, num_out),
+                               -math.log(num_out), jnp.float32),
+      poses=jnp.zeros(batch_shape + (num_out, dim), jnp.float32),
+      log_variances=jnp.zeros(batch_shape + (num_out, dim), jnp.float32),
+      activation_logits=jnp.zeros(batch_shape + (num_out,), jnp.float32))
+  state = jax.lax.fori_loop(0, num_iterations - 1, iteration, init)
+  poses, _, activation_logits = m_step(
+      state.log_assignments, lambdas[num_iterations - 1], state.poses)
+  return (poses.astype(out_dtype),
+          jax.nn.sigmoid(activation_logits).astype(out_dtype),
+          jnp.exp(state.log_assignments))

@@ -1,0 +1,196 @@
+"""Pure vote transforms, convolutional-capsule patches, coordinate addition.
+
+Shape legend: ``...`` leading batch dims, I input capsules, O output
+capsules, Din/Dout vector capsule dimensions, P the side of a pose matrix
+(4 for 4x4 poses), H x W a capsule grid, C capsule types, K the kernel size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+
+def vector_votes(inputs: ArrayLike, weights: ArrayLike) -> jax.Array:
+  """u_hat_j|i = W_ij u_i, one matrix per (input, output) pair.
+
+  Args:
+    inputs: [..., I, Din] input capsules u_i.
+    weights: [I, O, Din, Dout].
+  Returns:
+    [..., I, O, Dout] votes.
+  """
+  inputs, weights = jnp.asarray(inputs), jnp.asarray(weights)
+  if weights.ndim != 4 or inputs.shape[-2:] != (weights.shape[0],
+                                                weights.shape[2]):
+    raise ValueError(
+        f'vector_votes: inputs [..., I, Din] = {inputs.shape} do not match '
+        f'weights [I, O, Din, Dout] = {weights.shape}.')
+  return jnp.einsum('...id,iode->...ioe', inputs, weights)
+
+
+def shared_vector_votes(inputs: ArrayLike, weights: ArrayLike) -> jax.Array:
+  """u_hat_j|i = W_j u_i with one W_j per output shared by every input.
+
+  The parameter count does not depend on I, so a layer built on this accepts
+  any number of input capsules (any image size; seed 004).
+
+  Args:
+    inputs: [..., I, Din].
+    weights: [O, Din, Dout].
+  Returns:
+    [..., I, O, Dout].
+  """
+  inputs, weights = jnp.asarray(inputs), jnp.asarray(weights)
+  if weights.ndim != 3 or inputs.shape[-1] != weights.shape[1]:
+    raise ValueError(
+        f'shared_vector_votes: inputs [..., I, Din] = {inputs.shape} do not '
+        f'match weights [O, Din, Dout] = {weights.shape}.')
+  return jnp.einsum('...id,ode->...ioe', inputs, weights)
+
+
+def matrix_votes(poses: ArrayLike, weights: ArrayLike) -> jax.Array:
+  """V_ij = M_i W_ij, flattened to P*P numbers for routing.
+
+  Leading dims of ``poses`` beyond I broadcast, so a transform shared over
+  positions is ``poses [B, H*W, C, P, P]`` with ``weights [C, O, P, P]``.
+
+  Args:
+    poses: [..., I, P, P] pose matrices M_i.
+    weights: [I, O, P, P] transforms W_ij.
+  Returns:
+    [..., I, O, P*P] votes.
+  """
+  poses, weights = jnp.asarray(poses), jnp.asarray(weights)
+  if (weights.ndim != 4 or poses.ndim < 3 or poses.shape[-3] != weights.shape[0]
+      or poses.shape[-1] != weights.shape[2]):
+    raise ValueError(
+        f'matrix_votes: poses [..., I, P, P] = {poses.shape} do not match '
+        f'weights [I, O, P, P] = {weights.shape}.')
+  votes = jnp.einsum('...ipq,ioqr->...iopr', poses, weights)
+  return votes.reshape(votes.shape[:-2] + (-1,))
+
+
+def output_size(size: int, kernel_size: int, stride: int) -> int:
+  """Number of VALID windows of ``kernel_size`` with ``stride`` along ``size``."""
+  if kernel_size > size:
+    raise ValueError(
+        f'kernel size {kernel_size} is larger than the input grid ({size}); '
+        f'use a smaller kernel or a larger input.')
+  if kernel_size < 1 or stride < 1:
+    raise ValueError(f'kernel_size and stride must be >= 1, got '
+                     f'{kernel_size} and {stride}.')
+  return (size - kernel_size) // stride + 1
+
+
+def window_indices(size: int, kernel_size: int, stride: int) -> np.ndarray:
+  """[out, K] input index of every tap of every VALID window along one axis."""
+  out = output_size(size, kernel_size, stride)
+  return np.arange(out)[:, None] * stride + np.arange(kernel_size)[None, :]
+
+
+def conv_capsule_patches(x: ArrayLike, kernel_size: int, stride: int
+                         ) -> jax.Array:
+  """K x K windows of a capsule grid (VALID padding), for conv capsules.
+
+  Args:
+    x: [B, H, W, ...] (the trailing dims are carried along, e.g. C, P, P).
+  Returns:
+    [B, H', W', K, K, ...] with H' = (H - K) // stride + 1.
+  """
+  x = jnp.asarray(x)
+  rows = window_indices(x.shape[1], kernel_size, stride)  # [H', K]
+  cols = window_indices(x.shape[2], kernel_size, stride)  # [W', K]
+  return x[:, rows[:, None, :, None], cols[None, :, None, :]]
+
+
+def receptive_field_centres(size: int, kernel_size: int = 1, stride: int = 1
+                            ) -> np.ndarray:
+  """Scaled centre of each position's receptive field along one axis: [out].
+
+  Position o covers inputs o*stride .. o*stride + K - 1; its centre scaled to
+  (0, 1) is (o*stride + K/2) / size.
+  """
+  out = output_size(size, kernel_size, stride)
+  return (np.arange(out) * stride + kernel_size / 2.0) / size
+
+
+def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,
+                        col_offsets: ArrayLike | None = None) -> jax.Array:
+  """Add each position's scaled (row, col) to the first two vote entries.
+
+  Hinton et al. 2018, section 3.1: the class layer shares transforms over
+  positions, so the position is added back to the vote.
+
+  Args:
+    votes: [..., H, W, C, O, D] votes of capsules on an H x W grid.
+    row_offsets: [H] scaled row centres; default (h + 0.5) / H.
+    col_offsets: [W] scaled column centres; default (w + 0.5) / W.
+  Returns:
+    [..., H, W, C, O, D]; entries 0 and 1 of D shifted.
+  """
+  votes = jnp.asarray(votes)
+  height, width = votes.shape[-5], votes.shape[-4]
+  if row_offsets is None:
+    row_offsets = receptive_field_centres(height)
+  if col_offsets is None:
+    col_offsets = receptive_field_centres(width)
+  rows = jnp.broadcast_to(jnp.asarray(row_offsets, votes.dtype)[:, None],
+                          (height, width))
+  cols = jnp.broadcast_to(jnp.asarray(col_offsets, votes.dtype)[None, :],
+                          (height, width))
+  offsets = jnp.zeros((height, width, votes.shape[-1]), votes.dtype)
+  offsets = offsets.at[..., 0].set(rows).at[..., 1].set(cols)
+  return votes + offsets[:, :, None, None, :]
+
+
+def conv_parent_normalizer(height: int, width: int, kernel_size: int,
+                           stride: int, num_types: int):
+  """E-step normaliser over every parent that receives a child's votes.
+
+  In a convolutional capsule layer a child at (h, w) votes in every window
+  that covers it. The released code of Hinton et al. normalises the child's
+  assignments over all the parents of all those windows (so they sum to 1 per
+  child), not within each K x K window separately. This returns the
+  normaliser to pass as ``em_routing(..., assignment_normalizer=...)``.
+
+  Args:
+    height, width: the child grid H x W; kernel_size K; stride; num_types C.
+  Returns:
+    A function log_numerators [B, H', W', K*K*C, O] -> log R, same shape,
+    with log-sum-exp over every (window, parent) of each child equal to 0.
+  """
+  rows = window_indices(height, kernel_size, stride)[:, None, :, None]
+  cols = window_indices(width, kernel_size, stride)[None, :, None, :]
+  coverage = np.zeros((height, width), np.int64)
+  np.add.at(coverage, (np.broadcast_to(rows, np.broadcast_shapes(
+      rows.shape, cols.shape)), np.broadcast_to(cols, np.broadcast_shapes(
+          rows.shape, cols.shape))), 1)
+  uncovered = jnp.asarray(coverage == 0, jnp.float32)[None, :, :, None]
+
+  def normalize(log_numerators: jax.Array) -> jax.Array:
+    batch, out_h, out_w, num_in, num_out = log_numerators.shape
+    if num_in != kernel_size * kernel_size * num_types:
+      raise ValueError(
+          f'conv_parent_normalizer: expected K*K*C = '
+          f'{kernel_size * kernel_size * num_types} inputs per window, got '
+          f'{num_in}.')
+    local = jax.nn.logsumexp(log_numerators, axis=-1).reshape(
+        batch, out_h, out_w, kernel_size, kernel_size, num_types)
+    # Per-child max for a stable log-sum-exp across windows.
+    child_max = jnp.full((batch, height, width, num_types), -jnp.inf,
+                         local.dtype).at[:, rows, cols].max(local)
+    child_max = jax.lax.stop_gradient(
+        jnp.where(jnp.isfinite(child_max), child_max, 0.0))
+    window_max = child_max[:, rows, cols]
+    child_sum = jnp.zeros((batch, height, width, num_types), local.dtype).at[
+        :, rows, cols].add(jnp.exp(local - window_max))
+    # Children no window covers never reach the output; keep their log finite.
+    log_child_total = jnp.log(child_sum + uncovered) + child_max
+    log_total = log_child_total[:, rows, cols].reshape(batch, out_h, out_w,
+                                                       num_in)
+    return log_numerators - log_total[..., None]
+
+  return normalize
