@@ -1,0 +1,563 @@
+"""What the two training loops share.
+
+Optimiser and schedule, the train state, data-parallel sharding, the
+deterministic data order, atomic checkpoints with exact resume, metrics
+(TensorBoard + JSON lines), the progress bar, evaluation and the summary.
+``train_dynamic`` and ``train_em`` supply the model family's loss and steps
+and call ``fit``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from capsjax import data as data_lib
+from capsjax import models
+
+Batch = dict[str, jax.Array]
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss or a gradient became NaN or inf; the last good state is kept."""
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # nnx.State of nnx.Param
+  model_state: Any  # nnx.State of everything else (dropout RNG counters)
+  opt_state: Any
+  # First step whose loss or gradient was non-finite (-1: none). Such a step
+  # is not applied, so params stay the last good ones.
+  nonfinite_step: jax.Array
+
+
+# ----------------------------------------------------------------------------
+# Optimiser.
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """lr * decay_rate^(step / decay_steps), as tf.train.exponential_decay."""
+  return optax.exponential_decay(
+      init_value=config.learning_rate,
+      transition_steps=config.lr_decay_steps,
+      decay_rate=config.lr_decay_rate,
+      staircase=False)
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> optax.GradientTransformation:
+  return optax.adam(learning_rate_schedule(config))
+
+
+# ----------------------------------------------------------------------------
+# Model and state.
+
+
+def model_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  options = config.model_options.to_dict()
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+def create_model(config: ml_collections.ConfigDict, seed: int | None = None
+                 ) -> nnx.Module:
+  seed = config.seed if seed is None else seed
+  return models.create_model(
+      config.model, rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+      **model_options(config))
+
+
+def init_train_state(model: nnx.Module,
+                     optimizer: optax.GradientTransformation
+                     ) -> tuple[nnx.GraphDef, TrainState]:
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+      opt_state=optimizer.init(params),
+      nonfinite_step=jnp.full((), -1, jnp.int32))
+  return graphdef, state
+
+
+def apply_gradients(state: TrainState, grads, model_state,
+                    optimizer: optax.GradientTransformation,
+                    loss: jax.Array) -> tuple[TrainState, jax.Array]:
+  """One optimiser update, skipped (state kept) if loss or gradient is not finite.
+
+  Returns the new state and the global gradient norm.
+  """
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(  # noqa: E731
+      lambda n, o: jnp.where(finite, n, o), new, old)
+  nonfinite_step = jnp.where(
+      (state.nonfinite_step < 0) & ~finite, state.step,
+      state.nonfinite_step)
+  new_state = TrainState(
+      step=state.step + 1,
+      params=keep(params, state.params),
+      model_state=keep(model_state, state.model_state),
+      opt_state=keep(opt_state, state.opt_state),
+      nonfinite_step=nonfinite_step)
+  return new_state, grad_norm
+
+
+def count_params(params) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------
+# Data parallelism: one mesh axis 'data' over all local devices.
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+  devices = jax.local_devices()[:num_devices]
+  return Mesh(np.asarray(devices), ('data',))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec('data'))
+
+
+def check_batch_size(batch_size: int, mesh: Mesh) -> None:
+  if batch_size % mesh.size:
+    raise ValueError(
+        f'batch_size {batch_size} is not divisible by the {mesh.size} devices '
+        f'of the data-parallel mesh; use a multiple of {mesh.size}.')
+
+
+# ----------------------------------------------------------------------------
+# Deterministic data order: the batch of a step depends only on (seed, step),
+# so a resumed run sees exactly the batches an uninterrupted run would.
+
+
+def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+class BatchOrder:
+  """Indices of the training batch of each step (drops the epoch remainder)."""
+
+  def __init__(self, num_examples: int, batch_size: int, seed: int):
+    if num_examples < batch_size:
+      raise ValueError(
+          f'the training split has {num_examples} examples, fewer than '
+          f'batch_size {batch_size}.')
+    self.batch_size = batch_size
+    self.seed = seed
+    self.num_examples = num_examples
+    self.steps_per_epoch = num_examples // batch_size
+    self._epoch, self._perm = -1, None
+
+  def indices(self, step: int) -> np.ndarray:
+    epoch, offset = divmod(step, self.steps_per_epoch)
+    if epoch != self._epoch:
+      self._epoch = epoch
+      self._perm = epoch_permutation(self.seed, epoch, self.num_examples)
+    start = offset * self.batch_size
+    return self._perm[start:start + self.batch_size]
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints. Orbax writes each step into a temporary directory and renames
+# it when complete, so a kill mid-save leaves the previous step restorable.
+
+
+def _saveable(tree):
+  """Typed PRNG keys -> raw key data (what orbax can write)."""
+  return jax.tree.map(
+      lambda x: jax.random.key_data(x)
+      if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+
+
+def _from_saveable(tree, template):
+  return jax.tree.map(
+      lambda x, t: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t))
+      if jnp.issubdtype(t.dtype, jax.dtypes.prng_key) else x, tree, template)
+
+
+class Checkpointer:
+  """Orbax checkpoints of a TrainState under ``directory``."""
+
+  def __init__(self, directory: str, max_to_keep: int = 2):
+    self.directory = os.path.abspath(directory)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      probe = os.path.join(self.directory, '.write_test')
+      with open(probe, 'w') as f:
+        f.write('ok')
+      os.remove(probe)
+    except OSError as e:
+      raise OSError(
+          f'cannot write checkpoints to {self.directory}: {e}. Choose a '
+          f'writable --workdir with free space.') from e
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True,
+            enable_async_checkpointing=False))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, state: TrainState) -> None:
+    step = int(state.step)
+    if step in self._manager.all_steps():
+      return
+    leaves = _saveable(jax.tree.leaves(state))
+    try:
+      self._manager.save(step, args=ocp.args.StandardSave(leaves))
+      self._manager.wait_until_finished()
+    except OSError as e:
+      raise OSError(
+          f'saving the checkpoint of step {step} to {self.directory} failed '
+          f'({e}); the previous checkpoint is intact. Free disk space or '
+          f'choose another --workdir, then rerun to resume.') from e
+
+  def restore(self, template: TrainState, step: int | None = None
+              ) -> TrainState:
+    step = self.latest_step() if step is None else step
+    leaves, treedef = jax.tree.flatten(template)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                for x in _saveable(leaves)]
+    restored = self._manager.restore(step,
+                                     args=ocp.args.StandardRestore(abstract))
+    return jax.tree.unflatten(treedef, _from_saveable(list(restored), leaves))
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+# ----------------------------------------------------------------------------
+# Metrics and progress.
+
+
+class MetricWriter:
+  """Scalars to TensorBoard (``workdir/tensorboard``) and ``metrics.jsonl``."""
+
+  def __init__(self, workdir: str):
+    from tensorboardX import SummaryWriter  # a heavy import: only when training
+    self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    for name, value in scalars.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+    self._jsonl.flush()
+    self._tb.flush()
+
+  def close(self) -> None:
+    self._tb.close()
+    self._jsonl.close()
+
+
+class Progress:
+  """A tqdm bar with loss, accuracy and images/s (quiet when not a terminal)."""
+
+  def __init__(self, total: int, initial: int, batch_size: int):
+    from tqdm import tqdm
+    interactive = sys.stderr.isatty()
+    self._bar = tqdm(total=total, initial=initial, unit='step',
+                     dynamic_ncols=True, mininterval=0.5 if interactive else 30,
+                     disable=os.environ.get('CAPSJAX_NO_PROGRESS') == '1')
+    self._batch_size = batch_size
+    self._last_time, self._last_step = time.perf_counter(), initial
+
+  def update(self, step: int, scalars: Mapping[str, float]) -> float:
+    now = time.perf_counter()
+    images_per_s = ((step - self._last_step) * self._batch_size /
+                    max(now - self._last_time, 1e-9))
+    self._last_time, self._last_step = now, step
+    self._bar.set_postfix({k: f'{v:.4g}' for k, v in scalars.items()}
+                          | {'img/s': f'{images_per_s:.0f}'}, refresh=False)
+    self._bar.update(step - self._bar.n)
+    return images_per_s
+
+  def close(self) -> None:
+    self._bar.close()
+
+
+# ----------------------------------------------------------------------------
+# Evaluation.
+
+
+def evaluate(eval_step: Callable, state: TrainState,
+             split: data_lib.Split, images_on_device: jax.Array,
+             batch_size: int, mesh: Mesh) -> dict[str, float]:
+  """Accuracy and mean loss over a whole split, padding the last batch.
+
+  ``eval_step(params, model_state, images, labels, mask)`` returns
+  sums {'correct', 'loss', 'count'} over the masked examples.
+  """
+  num = len(split.labels)
+  if num == 0:
+    return {}
+  batch_size = max(mesh.size, batch_size - batch_size % mesh.size)
+  totals: dict[str, float] = {}
+  labels = jnp.asarray(split.labels)
+  for start in range(0, num, batch_size):
+    idx = np.arange(start, start + batch_size)
+    mask = idx < num
+    idx = np.minimum(idx, num - 1)
+    images = jax.device_put(images_on_device[idx], batch_sharded(mesh))
+    sums = eval_step(state.params, state.model_state, images,
+                     jax.device_put(labels[idx], batch_sharded(mesh)),
+                     jax.device_put(jnp.asarray(mask), batch_sharded(mesh)))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+  count = totals.pop('count')
+  return {'accuracy': totals['correct'] / count,
+          'error': 1.0 - totals['correct'] / count,
+          'loss': totals['loss'] / count}
+
+
+# ----------------------------------------------------------------------------
+# The loop.
+
+
+def environment() -> dict[str, Any]:
+  try:
+    commit = subprocess.run(
+        ['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10,
+        check=False).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  device = jax.devices()[0]
+  return {
+      'device': f'{device.platform}:{getattr(device, "device_kind", "")}',
+      'num_devices': jax.device_count(),
+      'jax_version': jax.__version__,
+      'python': platform.python_version(),
+      'machine': platform.machine(),
+      'cpu_count': os.cpu_count(),
+      'git_commit': commit,
+  }
+
+
+class FamilySteps(NamedTuple):
+  """What a model family gives ``fit``.
+
+  train_step(graphdef, state, images_uint8, labels, key) -> (state, metrics)
+    with metrics a dict of scalars incl. 'loss' and 'accuracy'; fit jits it
+    with the graphdef bound and the state donated.
+  eval_step(graphdef, params, model_state, images_uint8, labels, mask)
+    -> {'correct', 'loss', 'count'} sums.
+  """
+  train_step: Callable
+  eval_step: Callable
+
+
+def _save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  path = os.path.join(workdir, 'config.json')
+  text = config.to_json_best_effort(indent=2, sort_keys=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(payload, f, indent=2, sort_keys=True, default=str)
+  os.replace(tmp, path)
+
+
+def fit(config: ml_collections.ConfigDict, workdir: str,
+        steps: FamilySteps, dataset: data_lib.Dataset) -> dict[str, Any]:
+  """Train, checkpoint, resume, select on validation, test once, summarise.
+
+  Returns the summary also written to ``workdir/summary.json``.
+  """
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  _save_config(config, workdir)
+  mesh = make_mesh(config.get('num_devices') or None)
+  check_batch_size(config.batch_size, mesh)
+  model = create_model(config)
+  optimizer = make_optimizer(config)
+  graphdef, state = init_train_state(model, optimizer)
+  num_params = count_params(state.params)
+  state = jax.device_put(state, replicated(mesh))
+
+  checkpoints = Checkpointer(os.path.join(workdir, 'checkpoints'))
+  best = Checkpointer(os.path.join(workdir, 'best'), max_to_keep=1)
+  start_step = 0
+  if checkpoints.latest_step() is not None:
+    state = checkpoints.restore(state)
+    start_step = int(state.step)
+    print(f'Resuming from the checkpoint of step {start_step} in {workdir}.',
+          flush=True)
+  best_record_path = os.path.join(workdir, 'best_validation.json')
+  best_record = (json.load(open(best_record_path))
+                 if os.path.exists(best_record_path) else None)
+
+  train_images = jax.device_put(jnp.asarray(dataset.train.images),
+                                replicated(mesh))
+  train_labels = jax.device_put(jnp.asarray(dataset.train.labels),
+                                replicated(mesh))
+  order = BatchOrder(len(dataset.train.labels), config.batch_size, config.seed)
+  total_steps = config.num_train_steps
+  data_key = jax.random.PRNGKey(config.seed + 2)
+
+  # The graphdef is closed over rather than passed as a static argument: it
+  # need not be hashable.
+  train_step = jax.jit(functools.partial(steps.train_step, graphdef),
+                       donate_argnums=0)
+  eval_step = jax.jit(functools.partial(steps.eval_step, graphdef))
+  run_eval = lambda split, images: evaluate(  # noqa: E731
+      eval_step, state, split, images, config.eval_batch_size, mesh)
+  validation_images = jnp.asarray(dataset.validation.images)
+
+  print(f'{config.model}: {num_params:,} parameters; {dataset.name}: '
+        f'{len(dataset.train.labels)} train / {len(dataset.validation.labels)} '
+        f'validation / {len(dataset.test.labels)} test; {total_steps} steps '
+        f'of batch {config.batch_size} on {mesh.size} '
+        f'{jax.devices()[0].platform} device(s).', flush=True)
+  writer = MetricWriter(workdir)
+  progress = Progress(total_steps, start_step, config.batch_size)
+  train_seconds, measured_steps, compile_s = 0.0, 0, None
+  deadline = (time.time() + config.max_train_seconds
+              if config.get('max_train_seconds') else None)
+  step = start_step
+  try:
+    window_start = time.perf_counter()
+    window_steps = 0
+    while step < total_steps:
+      idx = jnp.asarray(order.indices(step))
+      images = jax.device_put(train_images[idx], batch_sharded(mesh))
+      labels = jax.device_put(train_labels[idx], batch_sharded(mesh))
+      key = jax.random.fold_in(data_key, step)
+      t0 = time.perf_counter()
+      state, metrics = train_step(state, images, labels, key)
+      step += 1
+      window_steps += 1
+      if compile_s is None:
+        jax.block_until_ready(metrics)
+        compile_s = time.perf_counter() - t0
+        window_start, window_steps = time.perf_counter(), 0
+      last = step == total_steps or (deadline and time.time() > deadline)
+      if step % config.log_every_steps == 0 or last:
+        metrics = jax.device_get(metrics)
+        if int(state.nonfinite_step) >= 0:
+          raise TrainingDiverged(
+              f'the loss or a gradient became non-finite at step '
+              f'{int(state.nonfinite_step)}; that update was not applied and '
+              f'the last good checkpoint (step {checkpoints.latest_step()}) is '
+              f'kept in {checkpoints.directory}. Lower the learning rate or '
+              f'check the input data.')
+        elapsed = time.perf_counter() - window_start
+        if window_steps:
+          train_seconds += elapsed
+          measured_steps += window_steps
+        scalars = {f'train/{k}': float(v) for k, v in metrics.items()}
+        scalars['train/learning_rate'] = float(
+            learning_rate_schedule(config)(step))
+        if window_steps and elapsed > 0:
+          scalars['train/images_per_s'] = (window_steps * config.batch_size /
+                                           elapsed)
+        writer.write(step, scalars)
+        progress.update(step, {'loss': scalars['train/loss'],
+                               'acc': scalars['train/accuracy']})
+        window_start, window_steps = time.perf_counter(), 0
+      if step % config.eval_every_steps == 0 or last:
+        val = run_eval(dataset.validation, validation_images)
+        if val:
+          writer.write(step, {f'validation/{k}': v for k, v in val.items()})
+          if best_record is None or val['accuracy'] > best_record['accuracy']:
+            best_record = {'step': step, **val}
+            best.save(state)
+            write_json_atomic(best_record_path, best_record)
+        window_start = time.perf_counter()
+      if step % config.checkpoint_every_steps == 0 or last:
+        checkpoints.save(state)
+        window_start = time.perf_counter()
+      if last:
+        break
+  finally:
+    progress.close()
+    writer.close()
+
+  # Model selection on validation only; the test set is read once, here.
+  if best_record is not None and best.latest_step() is not None:
+    state = best.restore(state)
+  test = run_eval(dataset.test, jnp.asarray(dataset.test.images))
+  checkpoints.close()
+  best.close()
+  images_per_s = (measured_steps * config.batch_size / train_seconds
+                  if train_seconds > 0 else None)
+  summary = {
+      'model': config.model,
+      'dataset': dataset.name,
+      'num_params': num_params,
+      'steps': step,
+      'epochs': step / order.steps_per_epoch,
+      'selected_step': int(state.step),
+      'validation': best_record,
+      'test': test,
+      'train_images_per_s': images_per_s,
+      'compile_s': compile_s,
+      'train_wall_s_this_run': train_seconds,
+      'batch_size': config.batch_size,
+      **environment(),
+  }
+  write_json_atomic(os.path.join(workdir, 'summary.json'), summary)
+  print(json.dumps({'test_accuracy': test.get('accuracy'),
+                    'validation_accuracy': (best_record or {}).get('accuracy'),
+                    'steps': step, 'images_per_s': images_per_s}), flush=True)
+  return summary
+
+
+def load_trained_model(workdir: str, which: str = 'best') -> nnx.Module:
+  """Rebuild a trained model from ``workdir`` (its config.json and checkpoint).
+
+  ``which``: 'best' (selected on validation) or 'latest'.
+  """
+  config_path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(
+        f'{config_path} not found: {workdir} is not a capsjax workdir.')
+  config = ml_collections.ConfigDict(json.load(open(config_path)))
+  model = create_model(config)
+  graphdef, state = init_train_state(model, make_optimizer(config))
+  directory = os.path.join(workdir, 'best' if which == 'best' else
+                           'checkpoints')
+  checkpointer = Checkpointer(directory)
+  if checkpointer.latest_step() is None:
+    raise FileNotFoundError(f'no checkpoint in {directory}; train first.')
+  state = checkpointer.restore(state)
+  checkpointer.close()
+  return nnx.merge(graphdef, state.params, state.model_state)
+
+
+def steps_for_epochs(num_epochs: float, num_examples: int, batch_size: int
+                     ) -> int:
+  return int(math.ceil(num_epochs * (num_examples // batch_size)))

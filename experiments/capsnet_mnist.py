@@ -1,0 +1,16 @@
+"""Train a dynamic-routing model (CapsNet or the baseline CNN) and report.
+
+  python -m experiments.capsnet_mnist --workdir=/tmp/capsnet \\
+      --config=experiments/configs/capsnet_mnist.py[:smoke]
+
+Configs: capsnet_mnist.py, capsnet_fashion_mnist.py, baseline_cnn_mnist.py.
+Rerunning with the same --workdir resumes from the last checkpoint. The
+summary (validation and test accuracy, steps, wall time, images/s) is
+written to WORKDIR/summary.json; TensorBoard logs to WORKDIR/tensorboard.
+"""
+
+from capsjax import train_dynamic
+from experiments import launcher
+
+if __name__ == '__main__':
+  launcher.run(train_dynamic.train_and_evaluate, 'capsnet_mnist.py')

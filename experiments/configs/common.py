@@ -1,0 +1,31 @@
+"""Defaults shared by every experiment config (the single source of them)."""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Keys every training run reads; each experiment config overrides some."""
+  config = ml_collections.ConfigDict()
+  config.dataset = 'mnist'
+  # Directory holding the dataset's files; '' searches $CAPSJAX_DATA_DIR, then
+  # ../shared/data/<dataset>, then TFDS.
+  config.data_dir = ''
+  config.validation_size = 5000
+  config.model = 'capsnet'
+  config.model_options = ml_collections.ConfigDict()
+  config.seed = 0
+  config.batch_size = 128
+  config.eval_batch_size = 500
+  config.num_train_steps = 10_000
+  config.learning_rate = 1e-3
+  config.lr_decay_steps = 2000
+  config.lr_decay_rate = 0.96
+  config.max_shift = 2
+  config.log_every_steps = 100
+  config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 1000
+  # Stop early after this many seconds of training (0: no limit).
+  config.max_train_seconds = 0
+  # Number of local devices for data parallelism (0: all of them).
+  config.num_devices = 0
+  return config

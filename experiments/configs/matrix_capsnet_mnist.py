@@ -1,0 +1,63 @@
+"""Matrix capsules with EM routing (Hinton et al. 2018) on MNIST.
+
+  python -m experiments.matrix_capsnet --workdir=/tmp/em_mnist \\
+      --config=experiments/configs/matrix_capsnet_mnist.py
+
+Variants: smoke (a small model that trains on a CPU in a few minutes; CI runs
+it), fashion (Fashion-MNIST), small (A=64, B=8, C=D=16, the 68K model).
+"""
+
+from experiments.configs import common
+
+
+def em_defaults(config):
+  """The EM-model training defaults (the authors' optimiser and loss)."""
+  config.model = 'matrix_capsnet'
+  config.batch_size = 64
+  config.learning_rate = 3e-3
+  config.lr_decay_steps = 20_000
+  config.lr_decay_rate = 0.96
+  config.loss = 'spread'
+  # 'authors': m = 0.2 + 0.79 sigmoid(min(10, step / margin_steps - 4));
+  # 'linear': 0.2 -> 0.9 over margin_steps.
+  config.margin_schedule = 'authors'
+  config.margin_steps = 50_000
+  config.weight_decay = 2e-7
+  config.stereo = True
+  config.viewpoint_split = ''
+  config.model_options.num_iterations = 3
+  config.model_options.coordinate_addition = True
+  return config
+
+
+def get_config(variant: str = ''):
+  config = em_defaults(common.base_config())
+  config.dataset = 'mnist'
+  config.max_shift = 2
+  config.model_options.input_shape = (28, 28, 1)
+  config.model_options.num_classes = 10
+  config.num_train_steps = 50_000
+  for part in filter(None, variant.split(',')):
+    if part == 'smoke':
+      config.model_options.A = 32
+      config.model_options.B = 8
+      config.model_options.C = 8
+      config.model_options.D = 8
+      config.num_train_steps = 1500
+      config.batch_size = 32
+      config.margin_schedule = 'linear'
+      config.margin_steps = 1000
+      config.eval_every_steps = 500
+      config.checkpoint_every_steps = 500
+      config.log_every_steps = 50
+    elif part == 'small':
+      config.model_options.A = 64
+      config.model_options.B = 8
+      config.model_options.C = 16
+      config.model_options.D = 16
+    elif part == 'fashion':
+      config.dataset = 'fashion_mnist'
+    else:
+      raise ValueError(f'unknown variant {part!r} of matrix_capsnet_mnist; '
+                       f'known: smoke, small, fashion.')
+  return config

@@ -1,0 +1,52 @@
+"""Matrix capsules with EM routing on smallNORB (Hinton et al. 2018, table 1).
+
+  python -m experiments.matrix_capsnet --workdir=/tmp/em_norb \\
+      --config=experiments/configs/matrix_capsnet_smallnorb.py \\
+      --config.data_dir=/path/to/smallnorb
+
+smallNORB is not downloadable on machines without internet: put the six NYU
+files (smallnorb-5x46789x9x18x6x2x96x96-{training,testing}-{dat,cat,info}.mat,
+gz or not) in data_dir, or install capsjax[tfds] on a machine online.
+
+Variants: small (A=64, B=8, C=D=16: the 68K model), azimuth / elevation
+(novel-viewpoint splits), mono (one stereo image), smoke (tiny, for tests).
+"""
+
+from experiments.configs import common
+from experiments.configs import matrix_capsnet_mnist
+
+
+def get_config(variant: str = ''):
+  config = matrix_capsnet_mnist.em_defaults(common.base_config())
+  config.dataset = 'smallnorb'
+  config.validation_size = 2300
+  config.max_shift = 0
+  config.model_options.input_shape = (32, 32, 2)
+  config.model_options.num_classes = 5
+  config.num_train_steps = 150_000
+  for part in filter(None, variant.split(',')):
+    if part == 'small':
+      config.model_options.A = 64
+      config.model_options.B = 8
+      config.model_options.C = 16
+      config.model_options.D = 16
+    elif part in ('azimuth', 'elevation'):
+      config.viewpoint_split = part
+    elif part == 'mono':
+      config.stereo = False
+      config.model_options.input_shape = (32, 32, 1)
+    elif part == 'smoke':
+      config.model_options.A = 8
+      config.model_options.B = 4
+      config.model_options.C = 4
+      config.model_options.D = 4
+      config.num_train_steps = 20
+      config.batch_size = 8
+      config.validation_size = 8
+      config.eval_every_steps = 10
+      config.checkpoint_every_steps = 10
+      config.log_every_steps = 5
+    else:
+      raise ValueError(f'unknown variant {part!r} of matrix_capsnet_smallnorb; '
+                       f'known: small, azimuth, elevation, mono, smoke.')
+  return config

@@ -1,0 +1,47 @@
+"""The flags every training experiment shares and the error handling around it.
+
+Experiments stay thin: flags -> config -> ``train_and_evaluate`` -> report.
+Errors a user can fix (missing or corrupt data, bad config values, an
+unwritable workdir, a diverged run) are printed as one clear message and exit
+with status 2; set CAPSJAX_TRACEBACK=1 to see the full traceback.
+"""
+
+import os
+import sys
+from collections.abc import Callable
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          'configs')
+
+
+def run(train_and_evaluate: Callable, default_config: str) -> None:
+  """Define --workdir and --config (default ``configs/<default_config>``), run."""
+  workdir = flags.DEFINE_string(
+      'workdir', None, 'Directory for checkpoints, TensorBoard metrics and '
+      'summary.json; rerun with the same one to resume.', required=True,
+      module_name=sys.argv[0])  # --help lists the main module's flags
+  config = config_flags.DEFINE_config_file(
+      'config', os.path.join(CONFIG_DIR, default_config),
+      'Experiment config file, optionally with :variant (e.g. :smoke); '
+      'override single keys with --config.KEY=VALUE.', lock_config=True)
+  flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    if not flags.FLAGS['verbosity'].present:
+      logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    try:
+      train_and_evaluate(config.value, workdir.value)
+    except (OSError, ValueError, RuntimeError) as e:
+      if os.environ.get('CAPSJAX_TRACEBACK') == '1':
+        raise
+      print(f'error: {type(e).__name__}: {e}', file=sys.stderr)
+      sys.exit(2)
+
+  app.run(main)
