@@ -1,0 +1,46 @@
+"""Datasets -> host arrays -> batches: MNIST, Fashion-MNIST, smallNORB, affNIST.
+
+Loaders return uint8 ``[N, H, W, C]`` images and int32 labels in host memory
+(``Dataset`` of ``Split``); augmentation and preprocessing are pure jit-able
+JAX functions of a PRNG key and a batch.
+"""
+
+from capsjax.data.affnist import affine_mnist
+from capsjax.data.affnist import load_affnist
+from capsjax.data.augment import place_on_canvas
+from capsjax.data.augment import random_shift
+from capsjax.data.augment import shift
+from capsjax.data.augment import to_float
+from capsjax.data.idx import DataError
+from capsjax.data.idx import Dataset
+from capsjax.data.idx import Split
+from capsjax.data.idx import read_idx
+from capsjax.data.mnist import load_dataset
+from capsjax.data.multimnist import multimnist_batch
+from capsjax.data.multimnist import multimnist_test_set
+from capsjax.data.smallnorb import read_norb_matrix
+from capsjax.data.smallnorb import smallnorb_eval_preprocess
+from capsjax.data.smallnorb import smallnorb_multicrop
+from capsjax.data.smallnorb import smallnorb_train_preprocess
+from capsjax.data.smallnorb import write_norb_matrix
+
+__all__ = (
+    'DataError',
+    'Dataset',
+    'Split',
+    'affine_mnist',
+    'load_affnist',
+    'load_dataset',
+    'multimnist_batch',
+    'multimnist_test_set',
+    'place_on_canvas',
+    'random_shift',
+    'read_idx',
+    'read_norb_matrix',
+    'shift',
+    'smallnorb_eval_preprocess',
+    'smallnorb_multicrop',
+    'smallnorb_train_preprocess',
+    'to_float',
+    'write_norb_matrix',
+)
