@@ -101,6 +101,9 @@ def conv_capsule_patches(x: ArrayLike, kernel_size: int, stride: int
     [B, H', W', K, K, ...] with H' = (H - K) // stride + 1.
   """
   x = jnp.asarray(x)
+  if x.ndim < 3:
+    raise ValueError(
+        f'conv_capsule_patches: x must be [B, H, W, ...], got shape {x.shape}.')
   rows = window_indices(x.shape[1], kernel_size, stride)  # [H', K]
   cols = window_indices(x.shape[2], kernel_size, stride)  # [W', K]
   return x[:, rows[:, None, :, None], cols[None, :, None, :]]
@@ -132,6 +135,10 @@ def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,
     [..., H, W, C, O, D]; entries 0 and 1 of D shifted.
   """
   votes = jnp.asarray(votes)
+  if votes.ndim < 5 or votes.shape[-1] < 2:
+    raise ValueError(
+        f'coordinate_addition: votes must be [..., H, W, C, O, D] with D >= 2, '
+        f'got shape {votes.shape}.')
   height, width = votes.shape[-5], votes.shape[-4]
   if row_offsets is None:
     row_offsets = receptive_field_centres(height)
@@ -143,7 +150,9 @@ def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,
                           (height, width))
   offsets = jnp.zeros((height, width, votes.shape[-1]), votes.dtype)
   offsets = offsets.at[..., 0].set(rows).at[..., 1].set(cols)
-  return votes + offsets[:, :, None, None, :]
+  # Leading 1s for the batch dims: no implicit rank promotion.
+  offsets = offsets.reshape((1,) * (votes.ndim - 5) + (height, width, 1, 1, -1))
+  return votes + offsets
 
 
 def conv_parent_normalizer(height: int, width: int, kernel_size: int,

@@ -1,0 +1,31 @@
+"""The public API imports: every name in capsjax.__all__, and the issue's."""
+
+import importlib
+
+import pytest
+
+import capsjax
+
+
+def test_all_holds_unique_names():
+  assert len(set(capsjax.__all__)) == len(capsjax.__all__)
+  assert all(isinstance(name, str) for name in capsjax.__all__)
+
+
+@pytest.mark.parametrize('name', capsjax.__all__)
+def test_every_public_name_imports_and_is_callable(name):
+  module = importlib.import_module('capsjax')
+  assert hasattr(module, name), f'capsjax.{name} is in __all__ but missing'
+  assert callable(getattr(module, name))
+
+
+@pytest.mark.parametrize('name', ['squash', 'dynamic_routing', 'em_routing'])
+def test_issue_names_exist_in_package_and_routing_module(name):
+  routing = importlib.import_module('capsjax.routing')
+  assert callable(getattr(routing, name))
+  assert getattr(capsjax, name) is getattr(routing, name)
+  assert name in capsjax.__all__
+
+
+def test_version():
+  assert isinstance(capsjax.__version__, str) and capsjax.__version__
