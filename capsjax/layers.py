@@ -1,0 +1,648 @@
+"""Flax NNX capsule layers: they own parameters and call the pure functions.
+
+Shape legend: B the batch, H x W a grid (H' x W' after a kernel), C or Cin /
+Cout channels or capsule types, I input capsules, O output capsules, Din /
+Dout vector-capsule dimensions, P the side of a pose matrix (4), K a kernel
+size. Every module's docstring gives its input and output shapes.
+
+Initialisation (see each layer):
+- Convolutions: Flax's default, lecun normal kernels and zero biases.
+- Vector capsules (Sabour et al. 2017): the official code
+  (Sarasra/models, research/capsules) draws capsule transforms from TF's
+  truncated normal with stddev 0.1 and sets the routing bias to 0.1;
+  DenseCapsules does the same. SharedCapsules follows Su's Keras layer
+  (glorot uniform over [Din, O*Dout], no bias).
+- Matrix capsules (Hinton et al. 2018): the paper prints no initialisation.
+  The plain default ``transform_std=None`` draws each 4x4 transform from a
+  normal with std 1/sqrt(P) (a P x P product sums P terms, so this keeps the
+  pose entries' scale) and sets beta_u = beta_a = 0. The authors' released
+  code (google-research ``capsule_em``) uses std 0.3 with beta_a = beta_u =
+  0.5 in conv capsule layers and std 0.01 with beta_a = 1.0, beta_u = 2.0 in
+  the class layer: ``AUTHORS_CONV_INIT`` / ``AUTHORS_CLASS_INIT`` hold those
+  keyword arguments, and ``models.create_model('matrix_capsnet',
+  init='authors')`` selects them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import ArrayLike
+
+from capsjax import routing
+from capsjax import votes as votes_lib
+
+# The authors' released initialisation for matrix capsule layers
+# (google-research capsule_em: conv_capsule_mat / connector_capsule_mat).
+AUTHORS_CONV_INIT = {'transform_std': 0.3, 'beta_a_init': 0.5,
+                     'beta_u_init': 0.5}
+AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
+                      'beta_u_init': 2.0}
+# The official dynamic-routing code's initialisers (variables.py there).
+OFFICIAL_WEIGHT_STD = 0.1
+OFFICIAL_BIAS_INIT = 0.1
+
+CONV_IMPLS = ('space_to_depth', 'direct')
+
+
+# Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
+# random-bits program for a many-axis shape compiles 5-10x slower (seconds
+# per parameter) than for the same number of values in one axis.
+# Truncated normals cut at 2 std, as TF's truncated_normal_initializer.
+_TRUNCATED_STD = 0.87962566103423978  # std of a unit normal cut at +-2
+
+
+def normal_init(std: float):
+  """Normal(0, std^2) initialiser: (key, shape, dtype) -> array."""
+  def init(key, shape, dtype=jnp.float32):
+    size = math.prod(shape)
+    return std * jax.random.normal(key, (size,), dtype).reshape(shape)
+  return init
+
+
+def truncated_normal_init(std: float):
+  """TF's truncated_normal_initializer(stddev=std): a N(0, std^2) cut at 2 std."""
+  def init(key, shape, dtype=jnp.float32):
+    size = math.prod(shape)
+    return std * jax.random.truncated_normal(key, -2.0, 2.0, (size,),
+                                             dtype).reshape(shape)
+  return init
+
+
+def lecun_normal(key, shape, dtype=jnp.float32):
+  """Flax's default kernel initialiser: variance 1 / fan_in, truncated.
+
+  fan_in is the product of every axis but the last (K*K*Cin for a conv).
+  """
+  fan_in = math.prod(shape[:-1])
+  std = 1.0 / math.sqrt(fan_in) / _TRUNCATED_STD
+  return truncated_normal_init(std)(key, shape, dtype)
+
+
+_default_kernel_init = lecun_normal
+
+
+def _check_positive_int(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f'{name} must be a positive int, got {value!r}.')
+
+
+def _check_iterations(num_iterations) -> None:
+  if (isinstance(num_iterations, bool) or not isinstance(num_iterations, int)
+      or num_iterations < 1):
+    raise ValueError(
+        f'num_iterations must be a positive int (routing iterations are '
+        f'unrolled statically), got {num_iterations!r}.')
+
+
+# ----------------------------------------------------------------------------
+# Convolution: a strided VALID convolution as space-to-depth + stride 1.
+#
+# XLA's CPU backward pass of a strided convolution is slow. Measured on the
+# 2-core development CPU (shared with other jobs, so noisy) for the PrimaryCaps
+# convolution: input [64, 20, 20, 256], kernel 9x9x256x256, stride 2, float32,
+# jit, gradient with respect to input and kernel; medians of 3 runs, two runs:
+#   direct lax.conv_general_dilated:  forward 1.3-1.6 s, forward+backward
+#                                     42-43 s (fastest single run 21.6 s)
+#   space-to-depth + stride-1 conv:   forward 0.8-1.7 s, forward+backward
+#                                     2.5-4.9 s
+# (the issue: 0.78 s forward, 15.8 s backward direct, 2.4 s backward
+# rewritten). Outputs and gradients agree to float32 rounding
+# (tests/test_layers.py).
+
+
+def _conv_padding(size: int, kernel_size: int, stride: int, padding: str
+                  ) -> tuple[int, int]:
+  """(low, high) zero padding of one spatial axis, as XLA's 'SAME'/'VALID'."""
+  if padding == 'VALID':
+    return 0, 0
+  out = -(-size // stride)
+  total = max((out - 1) * stride + kernel_size - size, 0)
+  return total // 2, total - total // 2
+
+
+def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
+                        ) -> jax.Array:
+  """VALID convolution with ``stride``, computed as a stride-1 convolution.
+
+  The input [B, H, W, C] is regrouped into s x s blocks, [B, H/s, W/s, s*s*C],
+  and the kernel [K, K, C, F] into [ceil(K/s), ceil(K/s), s*s*C, F] with zero
+  taps past K; a stride-1 VALID convolution of the two equals the strided one
+  (rows beyond the input that the regrouping pads in only meet zero taps).
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+    stride: s >= 1.
+  Returns:
+    [B, H', W', F] with H' = (H - Kh) // s + 1, equal to
+    ``lax.conv_general_dilated(x, kernel, (s, s), 'VALID')``.
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  batch, height, width, channels = x.shape
+  k_h, k_w, _, features = kernel.shape
+  s = stride
+  out_h = votes_lib.output_size(height, k_h, s)
+  out_w = votes_lib.output_size(width, k_w, s)
+  q_h, q_w = -(-k_h // s), -(-k_w // s)
+  kernel = jnp.pad(kernel, ((0, q_h * s - k_h), (0, q_w * s - k_w), (0, 0),
+                            (0, 0)))
+  kernel = kernel.reshape(q_h, s, q_w, s, channels, features)
+  kernel = kernel.transpose(0, 2, 1, 3, 4, 5).reshape(q_h, q_w,
+                                                      s * s * channels, features)
+  rows, cols = (out_h + q_h - 1) * s, (out_w + q_w - 1) * s
+  x = x[:, :rows, :cols]
+  x = jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, cols - x.shape[2]),
+                  (0, 0)))
+  x = x.reshape(batch, rows // s, s, cols // s, s, channels)
+  x = x.transpose(0, 1, 3, 2, 4, 5).reshape(batch, rows // s, cols // s,
+                                            s * s * channels)
+  return jax.lax.conv_general_dilated(
+      x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
+           padding: str = 'VALID', impl: str | None = None) -> jax.Array:
+  """2-D convolution, NHWC, with a choice of implementation for stride > 1.
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+    stride: the same stride along both axes.
+    padding: 'VALID' or 'SAME' (XLA's convention).
+    impl: 'space_to_depth' (default when stride > 1; much faster backward pass
+      on CPU) or 'direct' (``lax.conv_general_dilated`` with the stride).
+  Returns:
+    [B, H', W', F].
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  if x.ndim != 4 or kernel.ndim != 4 or x.shape[-1] != kernel.shape[2]:
+    raise ValueError(
+        f'conv2d: input [B, H, W, C] = {x.shape} does not match kernel '
+        f'[Kh, Kw, C, F] = {kernel.shape}.')
+  if padding not in ('VALID', 'SAME'):
+    raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
+  impl = impl or ('space_to_depth' if stride > 1 else 'direct')
+  if impl not in CONV_IMPLS:
+    raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
+  if impl == 'direct' or stride == 1:
+    return jax.lax.conv_general_dilated(
+        x, kernel, (stride, stride), padding,
+        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  if padding == 'SAME':
+    pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
+    pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
+    x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
+  return space_to_depth_conv(x, kernel, stride)
+
+
+class Conv2D(nnx.Module):
+  """Convolution + bias, NHWC: [B, H, W, in_features] -> [B, H', W', out_features].
+
+  H' = (H - K) // stride + 1 with 'VALID' padding, ceil(H / stride) with
+  'SAME'. ``conv_impl`` picks the strided implementation (see ``conv2d``).
+  """
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int,
+               stride: int = 1, *, padding: str = 'VALID',
+               conv_impl: str | None = None, use_bias: bool = True,
+               kernel_init=_default_kernel_init, bias_init: float = 0.0,
+               rngs: nnx.Rngs):
+    for name, value in (('in_features', in_features),
+                        ('out_features', out_features),
+                        ('kernel_size', kernel_size), ('stride', stride)):
+      _check_positive_int(name, value)
+    if padding not in ('VALID', 'SAME'):
+      raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
+    if conv_impl is not None and conv_impl not in CONV_IMPLS:
+      raise ValueError(
+          f'conv_impl must be one of {CONV_IMPLS} or None, got {conv_impl!r}.')
+    self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+    self.conv_impl = conv_impl
+    self.kernel = nnx.Param(kernel_init(
+        rngs.params(), (kernel_size, kernel_size, in_features, out_features)))
+    self.bias = (nnx.Param(jnp.full((out_features,), bias_init, jnp.float32))
+                 if use_bias else None)
+
+  def output_size(self, size: int) -> int:
+    """H' for an input side H."""
+    if self.padding == 'SAME':
+      return -(-size // self.stride)
+    return votes_lib.output_size(size, self.kernel_size, self.stride)
+
+  def __call__(self, x: ArrayLike) -> jax.Array:
+    y = conv2d(x, self.kernel[...], self.stride, self.padding, self.conv_impl)
+    if self.bias is not None:
+      y = y + self.bias[...].reshape(1, 1, 1, -1)
+    return y
+
+
+# ----------------------------------------------------------------------------
+# Vector capsules (Sabour et al. 2017).
+
+
+class PrimaryCapsules(nnx.Module):
+  """Convolutional primary capsules: conv, group channels, squash.
+
+  [B, H, W, in_features] -> [B, H'*W'*num_types, dim] with H' = (H - K) //
+  stride + 1; capsules ordered (row, column, type). No routing (the official
+  code routes once over a single input, which is the same).
+  """
+
+  def __init__(self, in_features: int, num_types: int = 32, dim: int = 8,
+               kernel_size: int = 9, stride: int = 2, *,
+               conv_impl: str | None = None, squash_constant: float = 1.0,
+               rngs: nnx.Rngs):
+    _check_positive_int('num_types', num_types)
+    _check_positive_int('dim', dim)
+    self.num_types, self.dim = num_types, dim
+    self.squash_constant = squash_constant
+    self.conv = Conv2D(in_features, num_types * dim, kernel_size, stride,
+                       conv_impl=conv_impl, rngs=rngs)
+
+  def num_capsules(self, height: int, width: int) -> int:
+    """Number of output capsules for an H x W input."""
+    return (self.conv.output_size(height) * self.conv.output_size(width)
+            * self.num_types)
+
+  def __call__(self, x: ArrayLike) -> jax.Array:
+    y = self.conv(x)  # [B, H', W', types * dim]
+    y = y.reshape(y.shape[0], -1, self.dim)  # [B, H'*W'*types, dim]
+    return routing.squash(y, constant=self.squash_constant)
+
+
+class DenseCapsules(nnx.Module):
+  """Fully connected capsule layer with dynamic routing (DigitCaps).
+
+  One transform W_ij [Din, Dout] per (input, output) pair and an optional
+  learned bias [O, Dout] added to s_j before the squash (the official code's
+  ``capsule`` layer; it initialises W from a truncated normal with std 0.1
+  and the bias to 0.1, the defaults here).
+
+  Input [B, I, Din] -> (outputs [B, O, Dout], coupling [B, I, O]).
+  """
+
+  def __init__(self, num_in: int, in_dim: int, num_out: int, out_dim: int,
+               num_iterations: int = 3, *, accumulate: bool = True,
+               leaky: bool = False, squash_constant: float = 1.0,
+               use_bias: bool = True, weight_std: float = OFFICIAL_WEIGHT_STD,
+               bias_init: float = OFFICIAL_BIAS_INIT, rngs: nnx.Rngs):
+    for name, value in (('num_in', num_in), ('in_dim', in_dim),
+                        ('num_out', num_out), ('out_dim', out_dim)):
+      _check_positive_int(name, value)
+    _check_iterations(num_iterations)
+    self.num_iterations = num_iterations
+    self.accumulate, self.leaky = accumulate, leaky
+    self.squash_constant = squash_constant
+    self.weights = nnx.Param(truncated_normal_init(weight_std)(
+        rngs.params(), (num_in, num_out, in_dim, out_dim)))
+    self.bias = (nnx.Param(jnp.full((num_out, out_dim), bias_init, jnp.float32))
+                 if use_bias else None)
+
+  def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    u_hat = votes_lib.vector_votes(inputs, self.weights[...])
+    return routing.dynamic_routing(
+        u_hat, self.num_iterations, accumulate=self.accumulate,
+        leaky=self.leaky, squash_constant=self.squash_constant,
+        bias=None if self.bias is None else self.bias[...])
+
+
+class SharedCapsules(nnx.Module):
+  """Capsule layer whose transform W_j is shared by every input (seed 004).
+
+  Parameters do not depend on the number of input capsules, so the layer
+  accepts any I (any image size). Defaults follow Su's Keras ``Capsule``
+  layer: glorot-uniform W over [Din, O*Dout], no bias; his routing variants
+  (``accumulate=False``, ``squash_constant=0.5``) are options.
+
+  Input [B, I, Din] (any I) -> (outputs [B, O, Dout], coupling [B, I, O]).
+  """
+
+  def __init__(self, in_dim: int, num_out: int, out_dim: int,
+               num_iterations: int = 3, *, accumulate: bool = True,
+               leaky: bool = False, squash_constant: float = 1.0,
+               use_bias: bool = False, bias_init: float = OFFICIAL_BIAS_INIT,
+               rngs: nnx.Rngs):
+    for name, value in (('in_dim', in_dim), ('num_out', num_out),
+                        ('out_dim', out_dim)):
+      _check_positive_int(name, value)
+    _check_iterations(num_iterations)
+    self.num_iterations = num_iterations
+    self.accumulate, self.leaky = accumulate, leaky
+    self.squash_constant = squash_constant
+    limit = math.sqrt(6.0 / (in_dim + num_out * out_dim))
+    self.weights = nnx.Param(jax.random.uniform(
+        rngs.params(), (num_out * in_dim * out_dim,), jnp.float32, -limit,
+        limit).reshape(num_out, in_dim, out_dim))
+    self.bias = (nnx.Param(jnp.full((num_out, out_dim), bias_init, jnp.float32))
+                 if use_bias else None)
+
+  def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    u_hat = votes_lib.shared_vector_votes(inputs, self.weights[...])
+    return routing.dynamic_routing(
+        u_hat, self.num_iterations, accumulate=self.accumulate,
+        leaky=self.leaky, squash_constant=self.squash_constant,
+        bias=None if self.bias is None else self.bias[...])
+
+
+# ----------------------------------------------------------------------------
+# Matrix capsules (Hinton et al. 2018).
+
+
+def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+  """[..., Cin] @ [Cin, F] + [F], broadcast explicitly (no rank promotion)."""
+  y = jnp.einsum('...c,cf->...f', x, kernel)
+  return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+class MatrixPrimaryCapsules(nnx.Module):
+  """1x1 convolution to pose matrices and sigmoid activations.
+
+  [B, H, W, in_features] -> (poses [B, H, W, num_types, P, P],
+  activations [B, H, W, num_types]).
+  """
+
+  def __init__(self, in_features: int, num_types: int, pose_size: int = 4, *,
+               rngs: nnx.Rngs):
+    for name, value in (('in_features', in_features),
+                        ('num_types', num_types), ('pose_size', pose_size)):
+      _check_positive_int(name, value)
+    self.num_types, self.pose_size = num_types, pose_size
+    self.pose_kernel = nnx.Param(_default_kernel_init(
+        rngs.params(), (in_features, num_types * pose_size * pose_size)))
+    self.pose_bias = nnx.Param(
+        jnp.zeros((num_types * pose_size * pose_size,), jnp.float32))
+    self.activation_kernel = nnx.Param(_default_kernel_init(
+        rngs.params(), (in_features, num_types)))
+    self.activation_bias = nnx.Param(jnp.zeros((num_types,), jnp.float32))
+
+  def __call__(self, x: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    x = jnp.asarray(x)
+    p = self.pose_size
+    poses = _dense(x, self.pose_kernel[...], self.pose_bias[...])
+    poses = poses.reshape(x.shape[:-1] + (self.num_types, p, p))
+    logits = _dense(x, self.activation_kernel[...], self.activation_bias[...])
+    return poses, jax.nn.sigmoid(logits)
+
+
+def _em_options(num_iterations, inverse_temperature, variance_epsilon,
+                normalize_cost, center_momentum, activation_form) -> dict:
+  _check_iterations(num_iterations)
+  if activation_form not in ('paper', 'authors'):
+    raise ValueError(
+        f"activation_form must be 'paper' or 'authors', got "
+        f'{activation_form!r}.')
+  if variance_epsilon < 0:
+    raise ValueError(
+        f'variance_epsilon must be >= 0, got {variance_epsilon!r}.')
+  if not 0.0 <= center_momentum < 1.0:
+    raise ValueError(
+        f'center_momentum must be in [0, 1), got {center_momentum!r}.')
+  # Stored as Python floats: static routing options, hashable, no arrays.
+  if inverse_temperature is not None and np.ndim(inverse_temperature) == 0:
+    inverse_temperature = float(inverse_temperature)
+  elif inverse_temperature is not None:
+    inverse_temperature = tuple(
+        float(t) for t in np.asarray(inverse_temperature).ravel())
+    if len(inverse_temperature) != num_iterations:
+      raise ValueError(
+          f'inverse_temperature needs one value per iteration '
+          f'({num_iterations}), got {len(inverse_temperature)}.')
+  return dict(num_iterations=num_iterations,
+              inverse_temperature=inverse_temperature,
+              variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
+              center_momentum=center_momentum, activation_form=activation_form)
+
+
+def _transform_init(rngs: nnx.Rngs, shape: Sequence[int], pose_size: int,
+                    transform_std: float | None) -> jax.Array:
+  std = 1.0 / math.sqrt(pose_size) if transform_std is None else transform_std
+  return normal_init(std)(rngs.params(), tuple(shape))
+
+
+def conv_capsule_routing(
+    poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
+    beta_u: ArrayLike, beta_a: ArrayLike, *, stride: int,
+    num_iterations: int = 3, inverse_temperature=None,
+    variance_epsilon: float = routing.VARIANCE_FLOOR,
+    normalize_cost: bool = False, center_momentum: float = 0.0,
+    activation_form: str = 'paper', normalize_across_positions: bool = False,
+    votes_dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Convolutional capsules with EM routing, as a pure function.
+
+  Every K x K window of children is routed to the out_types parents at its
+  output position: votes V = M_i W_(tap, in type, out type), I = K*K*Cin
+  children ordered (row tap, column tap, type).
+
+  Args:
+    poses: [B, H, W, Cin, P, P]; activations: [B, H, W, Cin].
+    weights: [K, K, Cin, Cout, P, P]; beta_u, beta_a: [Cout].
+    stride: window stride. Routing options as ``routing.em_routing``.
+    normalize_across_positions: False routes each window on its own (em_routing
+      vmapped over H' and W'); True normalises each child's assignments over
+      every parent that receives its votes across positions (the authors'
+      released code), via ``votes.conv_parent_normalizer``.
+    votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
+      routing statistics stay float32. None keeps the poses' dtype.
+  Returns:
+    (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
+    poses' dtype, assignments [B, H', W', I, Cout] float32).
+  """
+  poses, activations = jnp.asarray(poses), jnp.asarray(activations)
+  weights = jnp.asarray(weights)
+  if poses.ndim != 6 or activations.shape != poses.shape[:4]:
+    raise ValueError(
+        f'conv capsules: poses must be [B, H, W, C, P, P] and activations '
+        f'[B, H, W, C], got {poses.shape} and {activations.shape}.')
+  kernel_size, _, in_types, out_types, p, _ = weights.shape
+  if poses.shape[3:] != (in_types, p, p):
+    raise ValueError(
+        f'conv capsules: poses {poses.shape} do not match weights [K, K, Cin, '
+        f'Cout, P, P] = {weights.shape}.')
+  height, width = poses.shape[1], poses.shape[2]
+  out_dtype = poses.dtype
+  if votes_dtype is not None:
+    poses, weights = poses.astype(votes_dtype), weights.astype(votes_dtype)
+  num_in = kernel_size * kernel_size * in_types
+  pose_patches = votes_lib.conv_capsule_patches(poses, kernel_size, stride)
+  batch, out_h, out_w = pose_patches.shape[:3]
+  pose_patches = pose_patches.reshape(batch, out_h, out_w, num_in, p, p)
+  act_patches = votes_lib.conv_capsule_patches(
+      activations, kernel_size, stride).reshape(batch, out_h, out_w, num_in)
+  window_votes = votes_lib.matrix_votes(
+      pose_patches, weights.reshape(num_in, out_types, p, p))
+  options = dict(num_iterations=num_iterations,
+                 inverse_temperature=inverse_temperature,
+                 variance_epsilon=variance_epsilon,
+                 normalize_cost=normalize_cost,
+                 center_momentum=center_momentum,
+                 activation_form=activation_form)
+  if normalize_across_positions:
+    normalizer = votes_lib.conv_parent_normalizer(height, width, kernel_size,
+                                                  stride, in_types)
+    out_poses, out_acts, assignments = routing.em_routing(
+        window_votes, act_patches, beta_u, beta_a,
+        assignment_normalizer=normalizer, **options)
+  else:
+    route = lambda v, a: routing.em_routing(v, a, beta_u, beta_a, **options)
+    # v: [B, W', I, O, D] inside the outer map; W' is axis 1 again.
+    route = jax.vmap(route, in_axes=(1, 1), out_axes=1)
+    route = jax.vmap(route, in_axes=(1, 1), out_axes=1)
+    out_poses, out_acts, assignments = route(window_votes, act_patches)
+  out_poses = out_poses.reshape(batch, out_h, out_w, out_types, p, p)
+  return (out_poses.astype(out_dtype), out_acts.astype(out_dtype),
+          assignments)
+
+
+class ConvCapsules(nnx.Module):
+  """Convolutional capsule layer with EM routing (ConvCaps1 / ConvCaps2).
+
+  W [K, K, in_types, out_types, P, P]: one transform per kernel tap and (in
+  type, out type) pair, shared over positions; beta_u, beta_a [out_types]
+  shared over positions (the authors' answer in the review thread).
+
+  (poses [B, H, W, in_types, P, P], activations [B, H, W, in_types]) ->
+  (poses [B, H', W', out_types, P, P], activations [B, H', W', out_types]),
+  H' = (H - K) // stride + 1.
+
+  ``remat=True`` wraps patches, votes and routing in ``jax.checkpoint`` so the
+  backward pass recomputes the votes (the largest tensor of the network:
+  [B, H', W', K*K*Cin, Cout, P*P]) instead of storing every iteration's.
+  ``votes_dtype=jnp.bfloat16`` stores votes in bfloat16; routing statistics
+  stay float32.
+  """
+
+  def __init__(self, in_types: int, out_types: int, kernel_size: int = 3,
+               stride: int = 2, num_iterations: int = 3, *, pose_size: int = 4,
+               inverse_temperature=None,
+               variance_epsilon: float = routing.VARIANCE_FLOOR,
+               normalize_cost: bool = False, center_momentum: float = 0.0,
+               activation_form: str = 'paper',
+               normalize_across_positions: bool = False, remat: bool = False,
+               votes_dtype=None, transform_std: float | None = None,
+               beta_u_init: float = 0.0, beta_a_init: float = 0.0,
+               rngs: nnx.Rngs):
+    for name, value in (('in_types', in_types), ('out_types', out_types),
+                        ('kernel_size', kernel_size), ('stride', stride),
+                        ('pose_size', pose_size)):
+      _check_positive_int(name, value)
+    self.kernel_size, self.stride = kernel_size, stride
+    self.routing_options = _em_options(
+        num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
+        center_momentum, activation_form)
+    self.normalize_across_positions = normalize_across_positions
+    self.remat = remat
+    self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
+    self.weights = nnx.Param(_transform_init(
+        rngs, (kernel_size, kernel_size, in_types, out_types, pose_size,
+               pose_size), pose_size, transform_std))
+    self.beta_u = nnx.Param(jnp.full((out_types,), beta_u_init, jnp.float32))
+    self.beta_a = nnx.Param(jnp.full((out_types,), beta_a_init, jnp.float32))
+
+  def output_size(self, size: int) -> int:
+    """H' for an input grid side H (ValueError if the kernel does not fit)."""
+    return votes_lib.output_size(size, self.kernel_size, self.stride)
+
+  def __call__(self, poses: ArrayLike, activations: ArrayLike
+               ) -> tuple[jax.Array, jax.Array]:
+    fn = functools.partial(
+        conv_capsule_routing, stride=self.stride,
+        normalize_across_positions=self.normalize_across_positions,
+        votes_dtype=self.votes_dtype, **self.routing_options)
+    if self.remat:
+      fn = jax.checkpoint(fn)
+    out_poses, out_acts, _ = fn(poses, activations, self.weights[...],
+                                self.beta_u[...], self.beta_a[...])
+    return out_poses, out_acts
+
+
+def class_capsule_routing(
+    poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
+    beta_u: ArrayLike, beta_a: ArrayLike, *, coordinate_addition: bool = True,
+    num_iterations: int = 3, inverse_temperature=None,
+    variance_epsilon: float = routing.VARIANCE_FLOOR,
+    normalize_cost: bool = False, center_momentum: float = 0.0,
+    activation_form: str = 'paper', votes_dtype=None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Class capsules: transforms shared over positions, one EM routing.
+
+  Args:
+    poses: [B, H, W, Cin, P, P]; activations: [B, H, W, Cin].
+    weights: [Cin, O, P, P]; beta_u, beta_a: [O].
+    coordinate_addition: add each position's scaled (row, col) centre,
+      (h + 0.5) / H and (w + 0.5) / W, to vote entries 0 and 1
+      (``votes.coordinate_addition``).
+  Returns:
+    (poses [B, O, P, P], activations [B, O] in the input poses' dtype,
+    assignments [B, H*W*Cin, O] float32), inputs ordered (row, col, type).
+  """
+  poses, activations = jnp.asarray(poses), jnp.asarray(activations)
+  weights = jnp.asarray(weights)
+  if poses.ndim != 6 or activations.shape != poses.shape[:4]:
+    raise ValueError(
+        f'class capsules: poses must be [B, H, W, C, P, P] and activations '
+        f'[B, H, W, C], got {poses.shape} and {activations.shape}.')
+  out_dtype = poses.dtype
+  if votes_dtype is not None:
+    poses, weights = poses.astype(votes_dtype), weights.astype(votes_dtype)
+  batch = poses.shape[0]
+  num_out, p = weights.shape[1], weights.shape[2]
+  v = votes_lib.matrix_votes(poses, weights)  # [B, H, W, Cin, O, P*P]
+  if coordinate_addition:
+    v = votes_lib.coordinate_addition(v)
+  v = v.reshape(batch, -1, num_out, p * p)
+  out_poses, out_acts, assignments = routing.em_routing(
+      v, activations.reshape(batch, -1), beta_u, beta_a,
+      num_iterations=num_iterations, inverse_temperature=inverse_temperature,
+      variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
+      center_momentum=center_momentum, activation_form=activation_form)
+  return (out_poses.reshape(batch, num_out, p, p).astype(out_dtype),
+          out_acts.astype(out_dtype), assignments)
+
+
+class ClassCapsules(nnx.Module):
+  """Class capsule layer: transforms shared over positions, coordinate addition.
+
+  W [in_types, num_classes, P, P] shared by every position; beta_u, beta_a
+  [num_classes]. Votes [B, H, W, Cin, O, P*P] (+ coordinate addition) are
+  routed as H*W*Cin input capsules.
+
+  (poses [B, H, W, in_types, P, P], activations [B, H, W, in_types]) ->
+  (poses [B, num_classes, P, P], activations [B, num_classes]).
+  """
+
+  def __init__(self, in_types: int, num_classes: int, num_iterations: int = 3,
+               *, pose_size: int = 4, coordinate_addition: bool = True,
+               inverse_temperature=None,
+               variance_epsilon: float = routing.VARIANCE_FLOOR,
+               normalize_cost: bool = False, center_momentum: float = 0.0,
+               activation_form: str = 'paper', votes_dtype=None,
+               transform_std: float | None = None, beta_u_init: float = 0.0,
+               beta_a_init: float = 0.0, rngs: nnx.Rngs):
+    for name, value in (('in_types', in_types), ('num_classes', num_classes),
+                        ('pose_size', pose_size)):
+      _check_positive_int(name, value)
+    self.coordinate_addition = coordinate_addition
+    self.routing_options = _em_options(
+        num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
+        center_momentum, activation_form)
+    self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
+    self.weights = nnx.Param(_transform_init(
+        rngs, (in_types, num_classes, pose_size, pose_size), pose_size,
+        transform_std))
+    self.beta_u = nnx.Param(jnp.full((num_classes,), beta_u_init, jnp.float32))
+    self.beta_a = nnx.Param(jnp.full((num_classes,), beta_a_init, jnp.float32))
+
+  def __call__(self, poses: ArrayLike, activations: ArrayLike
+               ) -> tuple[jax.Array, jax.Array]:
+    out_poses, out_acts, _ = class_capsule_routing(
+        poses, activations, self.weights[...], self.beta_u[...],
+        self.beta_a[...], coordinate_addition=self.coordinate_addition,
+        votes_dtype=self.votes_dtype, **self.routing_options)
+    return out_poses, out_acts

@@ -1,0 +1,487 @@
+"""Capsule networks and their baselines, chosen by name from a registry.
+
+    model = create_model('capsnet', rngs=nnx.Rngs(0), num_iterations=1)
+    out = model(images, labels, train=True)   # a dict of arrays
+
+Every model is called as ``model(images [B, H, W, C] float32, labels=None, *,
+train=False) -> dict``. ``labels`` is int [B] or multi-hot float [B, K]; only
+models with a reconstruction decoder use it. Experiments use
+``create_model``, ``MODEL_FAMILY`` (which trainer: 'dynamic' or 'em'),
+``list_models`` and ``count_params``; they never import the classes.
+
+Parameter counts (``count_params``, default options):
+- 'capsnet' 28x28x1: 8,215,728 = conv1 20,992 + primary 5,308,672 + digit W
+  1,474,560 + digit bias 160 + decoder 1,411,344 (8,215,568 with
+  ``use_bias=False``; 6,804,384 without the decoder).
+- 'baseline_cnn' 28x28x1: 35,445,522 (layout in ``BaselineCNN``).
+- 'matrix_capsnet' 32x32x1: A=B=C=D=32 316,394; A=64, B=8, C=D=16 67,154
+  (paper: about 310K and 68K; what is counted is in ``MatrixCapsNet``).
+- 'two_digit_baseline' 276,810; 'two_digit_capsnet' 279,488 (any input size).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import ArrayLike
+
+from capsjax import layers
+from capsjax import routing
+
+
+def _check_positive_int(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f'{name} must be a positive int, got {value!r}.')
+
+
+def _check_widths(name: str, widths) -> tuple[int, ...]:
+  if isinstance(widths, int) or not isinstance(widths, Sequence):
+    raise ValueError(f'{name} must be a sequence of positive ints, got '
+                     f'{widths!r}.')
+  for width in widths:
+    _check_positive_int(f'every entry of {name}', width)
+  return tuple(widths)
+
+
+def _check_input_shape(input_shape) -> tuple[int, int, int]:
+  if (not isinstance(input_shape, Sequence) or len(input_shape) != 3):
+    raise ValueError(
+        f'input_shape must be (height, width, channels), got {input_shape!r}.')
+  for value in input_shape:
+    _check_positive_int('every entry of input_shape', value)
+  return tuple(input_shape)
+
+
+def _check_images(images: ArrayLike, channels: int,
+                  spatial: tuple[int, int] | None = None) -> jax.Array:
+  images = jnp.asarray(images)
+  if images.ndim != 4 or images.shape[-1] != channels or (
+      spatial is not None and images.shape[1:3] != tuple(spatial)):
+    expected = (f'[B, {spatial[0]}, {spatial[1]}, {channels}]' if spatial
+                else f'[B, H, W, {channels}]')
+    raise ValueError(f'images must be {expected}, got shape {images.shape}.')
+  return images
+
+
+def _lengths(capsules: jax.Array) -> jax.Array:
+  return routing.safe_norm(capsules, axis=-1)
+
+
+class _MLP(nnx.Module):
+  """Dense layers, ReLU between them: [B, in] -> [B, widths[-1]]."""
+
+  def __init__(self, in_features: int, widths: Sequence[int], *,
+               rngs: nnx.Rngs):
+    sizes = (in_features,) + tuple(widths)
+    self.layers = nnx.List([nnx.Linear(a, b, kernel_init=layers.lecun_normal,
+                                       rngs=rngs)
+                            for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for i, layer in enumerate(self.layers):
+      x = layer(x)
+      if i < len(self.layers) - 1:
+        x = jax.nn.relu(x)
+    return x
+
+
+# ----------------------------------------------------------------------------
+# Sabour et al. 2017.
+
+
+class CapsNet(nnx.Module):
+  """CapsNet (Sabour et al. 2017): Conv1, PrimaryCaps, DigitCaps, decoder.
+
+  Conv1 ReLU (stride 1, VALID) -> PrimaryCapsules (VALID, stride 2) ->
+  DenseCapsules with dynamic routing and the official learned bias ->
+  optional decoder FC 512 ReLU -> FC 1024 ReLU -> FC H*W*C sigmoid.
+  Conv layers use Flax's default initialisers (lecun normal, zero bias).
+
+  Returns {'lengths': [B, K], 'capsules': [B, K, digit_dim],
+  'coupling': [B, I, K] (I primary capsules), and with ``reconstruction``
+  'reconstructions': [B, H*W*C]}. The decoder sees only the label's capsule
+  when ``train`` and labels are given (a multi-hot [B, K] label keeps several),
+  else only the longest capsule.
+  """
+
+  def __init__(self, *, input_shape: Sequence[int] = (28, 28, 1),
+               num_classes: int = 10, conv1_channels: int = 256,
+               conv1_kernel: int = 9, primary_types: int = 32,
+               primary_dim: int = 8, primary_kernel: int = 9,
+               primary_stride: int = 2, digit_dim: int = 16,
+               num_iterations: int = 3, accumulate: bool = True,
+               leaky: bool = False, squash_constant: float = 1.0,
+               use_bias: bool = True, reconstruction: bool = True,
+               decoder_widths: Sequence[int] = (512, 1024),
+               conv_impl: str | None = None, rngs: nnx.Rngs):
+    height, width, channels = _check_input_shape(input_shape)
+    _check_positive_int('num_classes', num_classes)
+    self.input_shape = (height, width, channels)
+    self.num_classes = num_classes
+    self.conv1 = layers.Conv2D(channels, conv1_channels, conv1_kernel, 1,
+                               rngs=rngs)
+    grid = (self.conv1.output_size(height), self.conv1.output_size(width))
+    self.primary = layers.PrimaryCapsules(
+        conv1_channels, primary_types, primary_dim, primary_kernel,
+        primary_stride, conv_impl=conv_impl, rngs=rngs)
+    num_primary = self.primary.num_capsules(*grid)
+    self.digit = layers.DenseCapsules(
+        num_primary, primary_dim, num_classes, digit_dim, num_iterations,
+        accumulate=accumulate, leaky=leaky, squash_constant=squash_constant,
+        use_bias=use_bias, rngs=rngs)
+    if reconstruction:
+      widths = _check_widths('decoder_widths', decoder_widths)
+      self.decoder = _MLP(num_classes * digit_dim,
+                          widths + (height * width * channels,), rngs=rngs)
+    else:
+      self.decoder = None
+
+  def decoder_mask(self, lengths: jax.Array, labels: ArrayLike | None,
+                   train: bool) -> jax.Array:
+    """[B, K] mask of the capsules the decoder sees."""
+    if train and labels is not None:
+      labels = jnp.asarray(labels)
+      if labels.ndim == 1:
+        return jax.nn.one_hot(labels, self.num_classes, dtype=lengths.dtype)
+      if labels.shape != lengths.shape:
+        raise ValueError(
+            f'labels must be int [B] or multi-hot [B, {self.num_classes}], got '
+            f'shape {labels.shape}.')
+      return labels.astype(lengths.dtype)
+    return jax.nn.one_hot(jnp.argmax(lengths, axis=-1), self.num_classes,
+                          dtype=lengths.dtype)
+
+  def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
+               train: bool = False) -> dict[str, jax.Array]:
+    images = _check_images(images, self.input_shape[2], self.input_shape[:2])
+    features = jax.nn.relu(self.conv1(images))
+    primary = self.primary(features)  # [B, I, primary_dim]
+    capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
+    lengths = _lengths(capsules)
+    out = {'lengths': lengths, 'capsules': capsules, 'coupling': coupling}
+    if self.decoder is not None:
+      mask = self.decoder_mask(lengths, labels, train)
+      masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
+      out['reconstructions'] = jax.nn.sigmoid(self.decoder(masked))
+    return out
+
+
+class BaselineCNN(nnx.Module):
+  """The baseline CNN of Sabour et al. 2017 (35.4M parameters on MNIST).
+
+  Three ReLU convolutions (256, 256, 128 channels, 5x5, stride 1, 'SAME'
+  padding, no pooling) -> flatten -> FC 328 ReLU -> FC 192 ReLU -> dropout ->
+  FC K logits (softmax cross-entropy outside). This layout is the one whose
+  count matches the paper's 35.4M on 28x28x1 inputs: 6,656 + 1,638,656 +
+  819,328 (convs) + 32,915,784 (FC 328 on 28*28*128 inputs) + 63,168 +
+  1,930 = 35,445,522; pooling would shrink the FC 328 layer far below that.
+
+  Returns {'logits': [B, K]}. Dropout draws from the model's own 'dropout'
+  stream (``rngs``), only when ``train=True``.
+  """
+
+  def __init__(self, *, input_shape: Sequence[int] = (28, 28, 1),
+               num_classes: int = 10,
+               conv_channels: Sequence[int] = (256, 256, 128),
+               kernel_size: int = 5, padding: str = 'SAME',
+               fc_widths: Sequence[int] = (328, 192),
+               dropout_rate: float = 0.5, rngs: nnx.Rngs):
+    height, width, channels = _check_input_shape(input_shape)
+    _check_positive_int('num_classes', num_classes)
+    conv_channels = _check_widths('conv_channels', conv_channels)
+    fc_widths = _check_widths('fc_widths', fc_widths)
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(f'dropout_rate must be in [0, 1), got {dropout_rate!r}.')
+    self.input_shape = (height, width, channels)
+    sizes = (channels,) + conv_channels
+    self.convs = nnx.List([
+        layers.Conv2D(a, b, kernel_size, 1, padding=padding, rngs=rngs)
+        for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
+    for conv in self.convs:
+      height, width = conv.output_size(height), conv.output_size(width)
+    self.hidden = _MLP(height * width * conv_channels[-1], fc_widths,
+                       rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.head = nnx.Linear(fc_widths[-1], num_classes,
+                           kernel_init=layers.lecun_normal, rngs=rngs)
+
+  def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
+               train: bool = False) -> dict[str, jax.Array]:
+    del labels  # No decoder.
+    x = _check_images(images, self.input_shape[2], self.input_shape[:2])
+    for conv in self.convs:
+      x = jax.nn.relu(conv(x))
+    x = jax.nn.relu(self.hidden(x.reshape(x.shape[0], -1)))
+    x = self.dropout(x, deterministic=not train)
+    return {'logits': self.head(x)}
+
+
+# ----------------------------------------------------------------------------
+# Hinton, Sabour, Frosst 2018.
+
+
+class MatrixCapsNet(nnx.Module):
+  """Matrix capsules with EM routing (Hinton et al. 2018, Figure 1).
+
+  ReLU Conv1 A@5x5 stride 2 (VALID) -> MatrixPrimaryCapsules B (1x1) ->
+  ConvCapsules C (K=3, stride 2) -> ConvCapsules D (K=3, stride 1) ->
+  ClassCapsules K (shared transforms, coordinate addition). Grids: 32x32 ->
+  14 -> 14 -> 6 -> 4 -> classes (smallNORB crops); 28x28 -> 12 -> 5 -> 3.
+
+  Parameters counted: Conv1 kernel + bias (25 in_ch A + A); primary pose
+  and activation 1x1 kernels + biases (A*17B + 17B); each conv capsule layer
+  9 * in * out * 16 transforms + beta_u, beta_a per output type; class layer
+  D*K*16 + 2K. 32x32x1 gives 316,394 for A=B=C=D=32 (paper "310K") and
+  67,154 for A=64, B=8, C=D=16 (paper "68K").
+
+  ``init='paper'`` (the paper prints none): transforms normal std 1/2 =
+  1/sqrt(pose side), beta_u = beta_a = 0. ``init='authors'``: the released
+  code's std 0.3 / beta 0.5 (conv capsules) and std 0.01 / beta_a 1.0,
+  beta_u 2.0 (class capsules). Routing options go to every EM layer;
+  ``class_inverse_temperature`` overrides ``inverse_temperature`` in the class
+  layer (the released code uses final lambda / 4 there:
+  ``routing.inverse_temperature_schedule(T, 0.0025)``).
+
+  Returns {'activations': [B, K], 'poses': [B, K, 4, 4]}.
+  """
+
+  def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
+               num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
+               D: int = 32, num_iterations: int = 3,
+               coordinate_addition: bool = True, conv1_kernel: int = 5,
+               conv1_stride: int = 2, caps1_kernel: int = 3,
+               caps1_stride: int = 2, caps2_kernel: int = 3,
+               caps2_stride: int = 1, inverse_temperature=None,
+               class_inverse_temperature=None, normalize_cost: bool = False,
+               variance_epsilon: float = routing.VARIANCE_FLOOR,
+               center_momentum: float = 0.0, activation_form: str = 'paper',
+               normalize_across_positions: bool = False, remat: bool = False,
+               votes_dtype=None, init: str = 'paper',
+               conv_impl: str | None = None, rngs: nnx.Rngs):
+    height, width, channels = _check_input_shape(input_shape)
+    for name, value in (('num_classes', num_classes), ('A', A), ('B', B),
+                        ('C', C), ('D', D)):
+      _check_positive_int(name, value)
+    if init not in ('paper', 'authors'):
+      raise ValueError(f"init must be 'paper' or 'authors', got {init!r}.")
+    conv_init = layers.AUTHORS_CONV_INIT if init == 'authors' else {}
+    class_init = layers.AUTHORS_CLASS_INIT if init == 'authors' else {}
+    if class_inverse_temperature is None:
+      class_inverse_temperature = inverse_temperature
+    self.input_shape = (height, width, channels)
+    em = dict(num_iterations=num_iterations, variance_epsilon=variance_epsilon,
+              normalize_cost=normalize_cost, center_momentum=center_momentum,
+              activation_form=activation_form, votes_dtype=votes_dtype)
+    self.conv1 = layers.Conv2D(channels, A, conv1_kernel, conv1_stride,
+                               conv_impl=conv_impl, rngs=rngs)
+    self.primary = layers.MatrixPrimaryCapsules(A, B, rngs=rngs)
+    self.caps1 = layers.ConvCapsules(
+        B, C, caps1_kernel, caps1_stride, inverse_temperature=inverse_temperature,
+        normalize_across_positions=normalize_across_positions, remat=remat,
+        rngs=rngs, **em, **conv_init)
+    self.caps2 = layers.ConvCapsules(
+        C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
+        normalize_across_positions=normalize_across_positions, remat=remat,
+        rngs=rngs, **em, **conv_init)
+    self.class_caps = layers.ClassCapsules(
+        D, num_classes, coordinate_addition=coordinate_addition,
+        inverse_temperature=class_inverse_temperature, rngs=rngs, **em,
+        **class_init)
+    # Fail at construction, not first call, when a kernel does not fit.
+    grid_sizes = []
+    for side in (height, width):
+      sizes = [self.conv1.output_size(side)]
+      sizes.append(self.caps1.output_size(sizes[-1]))
+      sizes.append(self.caps2.output_size(sizes[-1]))
+      grid_sizes.append(tuple(sizes))
+    # (rows, cols) of the Conv1 / ConvCaps1 / ConvCaps2 grids.
+    self.grid_sizes = tuple(grid_sizes)
+
+  def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
+               train: bool = False) -> dict[str, jax.Array]:
+    del labels, train  # No decoder, no dropout.
+    x = _check_images(images, self.input_shape[2], self.input_shape[:2])
+    x = jax.nn.relu(self.conv1(x))
+    poses, acts = self.primary(x)
+    poses, acts = self.caps1(poses, acts)
+    poses, acts = self.caps2(poses, acts)
+    poses, acts = self.class_caps(poses, acts)
+    return {'activations': acts, 'poses': poses}
+
+
+# ----------------------------------------------------------------------------
+# Su's transfer experiment (seed 004).
+
+
+class _SuTrunk(nnx.Module):
+  """Su's shared trunk, Keras defaults (VALID padding, 2x2 average pool).
+
+  Conv 64 3x3 ReLU, Conv 64 3x3 ReLU, AvgPool 2x2 (floor), Conv 128 3x3 ReLU,
+  Conv 128 3x3 ReLU: [B, H, W, C] -> [B, (H-4)//2 - 4, (W-4)//2 - 4, 128]
+  (28x28 -> 8x8, 28x56 -> 8x22). Inputs need H, W >= 14.
+  """
+
+  def __init__(self, in_channels: int, widths: Sequence[int], *,
+               rngs: nnx.Rngs):
+    widths = _check_widths('trunk_widths', widths)
+    if len(widths) != 4:
+      raise ValueError(f'trunk_widths needs 4 entries, got {widths!r}.')
+    sizes = (in_channels,) + widths
+    self.convs = nnx.List([layers.Conv2D(a, b, 3, rngs=rngs)
+                           for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if min(x.shape[1:3]) < 14:
+      raise ValueError(
+          f'images must be at least 14x14 for this trunk, got {x.shape}.')
+    for i, conv in enumerate(self.convs):
+      x = jax.nn.relu(conv(x))
+      if i == 1:
+        h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
+        x = x[:, :h, :w].reshape(x.shape[0], h // 2, 2, w // 2, 2, x.shape[-1])
+        x = x.mean(axis=(2, 4))
+    return x
+
+
+class TwoDigitBaseline(nnx.Module):
+  """Su's CNN baseline: trunk, global average pool, Dense 128 ReLU, Dense K.
+
+  Any input size >= 14x14 with the same parameters. Returns
+  {'scores': [B, K]} (sigmoid: K independent binary problems).
+  """
+
+  def __init__(self, *, input_channels: int = 1, num_classes: int = 10,
+               trunk_widths: Sequence[int] = (64, 64, 128, 128),
+               hidden_width: int = 128, rngs: nnx.Rngs):
+    _check_positive_int('input_channels', input_channels)
+    _check_positive_int('num_classes', num_classes)
+    _check_positive_int('hidden_width', hidden_width)
+    self.input_channels = input_channels
+    self.trunk = _SuTrunk(input_channels, trunk_widths, rngs=rngs)
+    self.head = _MLP(trunk_widths[-1], (hidden_width, num_classes), rngs=rngs)
+
+  def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
+               train: bool = False) -> dict[str, jax.Array]:
+    del labels, train
+    x = self.trunk(_check_images(images, self.input_channels))
+    return {'scores': jax.nn.sigmoid(self.head(x.mean(axis=(1, 2))))}
+
+
+class TwoDigitCapsNet(nnx.Module):
+  """Su's capsule model: trunk, every position a capsule, shared capsules.
+
+  The trunk output [B, h, w, 128] is reshaped to [B, h*w, 128] input capsules
+  (Su's ``Reshape((-1, 128))``) and routed by a SharedCapsules layer to K
+  capsules of 16-D; score = length. Routing defaults follow Su's Keras code:
+  non-accumulating updates (``accumulate=False``), squash constant 0.5, no
+  bias. Any input size >= 14x14 with the same parameters.
+
+  Returns {'scores': [B, K], 'capsules': [B, K, capsule_dim],
+  'coupling': [B, h*w, K]}.
+  """
+
+  def __init__(self, *, input_channels: int = 1, num_classes: int = 10,
+               trunk_widths: Sequence[int] = (64, 64, 128, 128),
+               capsule_dim: int = 16, num_iterations: int = 3,
+               accumulate: bool = False, leaky: bool = False,
+               squash_constant: float = 0.5, use_bias: bool = False,
+               rngs: nnx.Rngs):
+    _check_positive_int('input_channels', input_channels)
+    self.input_channels = input_channels
+    self.trunk = _SuTrunk(input_channels, trunk_widths, rngs=rngs)
+    self.capsules = layers.SharedCapsules(
+        trunk_widths[-1], num_classes, capsule_dim, num_iterations,
+        accumulate=accumulate, leaky=leaky, squash_constant=squash_constant,
+        use_bias=use_bias, rngs=rngs)
+
+  def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
+               train: bool = False) -> dict[str, jax.Array]:
+    del labels, train
+    x = self.trunk(_check_images(images, self.input_channels))
+    x = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, h*w, 128]
+    capsules, coupling = self.capsules(x)
+    return {'scores': _lengths(capsules), 'capsules': capsules,
+            'coupling': coupling}
+
+
+# ----------------------------------------------------------------------------
+# Registry.
+
+_MODELS: dict[str, type[nnx.Module]] = {
+    'capsnet': CapsNet,
+    'baseline_cnn': BaselineCNN,
+    'matrix_capsnet': MatrixCapsNet,
+    'two_digit_baseline': TwoDigitBaseline,
+    'two_digit_capsnet': TwoDigitCapsNet,
+}
+
+# Which training loop a model belongs to: train_dynamic or train_em.
+MODEL_FAMILY: dict[str, str] = {
+    'capsnet': 'dynamic',
+    'baseline_cnn': 'dynamic',
+    'matrix_capsnet': 'em',
+    'two_digit_baseline': 'dynamic',
+    'two_digit_capsnet': 'dynamic',
+}
+
+
+def list_models() -> tuple[str, ...]:
+  """Names accepted by ``create_model``, sorted."""
+  return tuple(sorted(_MODELS))
+
+
+def model_options(name: str) -> dict[str, object]:
+  """The options of model ``name`` and their defaults."""
+  cls = _model_class(name)
+  return {p.name: p.default
+          for p in inspect.signature(cls.__init__).parameters.values()
+          if p.kind == p.KEYWORD_ONLY and p.name != 'rngs'}
+
+
+def _model_class(name: str) -> type[nnx.Module]:
+  if name not in _MODELS:
+    raise ValueError(
+        f'unknown model {name!r}; valid names: {", ".join(list_models())}.')
+  return _MODELS[name]
+
+
+def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
+  """Builds model ``name`` with keyword ``options`` (see ``model_options``).
+
+  Raises ValueError for an unknown name, an unknown option (listing the valid
+  ones) or an invalid value (non-positive widths, zero iterations, a kernel
+  larger than its input grid, ...).
+  """
+  cls = _model_class(name)
+  valid = model_options(name)
+  unknown = sorted(set(options) - set(valid))
+  if unknown:
+    raise ValueError(
+        f'unknown option(s) {unknown} for model {name!r}; valid options: '
+        f'{", ".join(sorted(valid))}.')
+  return cls(rngs=rngs, **options)
+
+
+def count_params(model: nnx.Module) -> int:
+  """Number of trainable parameters (``nnx.Param`` entries) of ``model``."""
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return int(sum(math.prod(leaf.shape) for leaf in leaves))
+
+
+__all__ = (
+    'MODEL_FAMILY',
+    'BaselineCNN',
+    'CapsNet',
+    'MatrixCapsNet',
+    'TwoDigitBaseline',
+    'TwoDigitCapsNet',
+    'count_params',
+    'create_model',
+    'list_models',
+    'model_options',
+)

@@ -1,0 +1,394 @@
+"""Tests for capsjax.layers: shapes, and values against slow references."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from capsjax import layers
+from capsjax import routing
+
+
+def _direct_conv(x, kernel, stride, padding='VALID'):
+  return jax.lax.conv_general_dilated(
+      x, kernel, (stride, stride), padding,
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def _random(seed, shape, scale=1.0):
+  # NumPy, not jax.random: XLA:CPU takes seconds to compile random bits for
+  # each many-axis shape.
+  rng = np.random.default_rng(seed)
+  return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# Convolution.
+
+
+def _output_and_grads(conv, x, kernel, cotangent):
+  """conv(x, kernel) and the gradients of <cotangent, conv(x, kernel)>."""
+  out, vjp = jax.vjp(conv, x, kernel)
+  return out, vjp(cotangent)
+
+
+@pytest.mark.parametrize('kernel_size,stride,height,width', [
+    (9, 2, 20, 20),  # PrimaryCaps
+    (4, 2, 10, 9),  # even kernel, odd width
+    (5, 2, 13, 14),  # odd and even sizes
+    (5, 3, 11, 13),  # stride 3, K not a multiple of it
+    (2, 3, 8, 7),  # kernel smaller than the stride
+    (3, 3, 3, 5),  # kernel = input height
+])
+def test_space_to_depth_conv_equals_direct(kernel_size, stride, height, width):
+  x = _random(0, (2, height, width, 3))
+  kernel = _random(1, (kernel_size, kernel_size, 3, 4), 0.2)
+  out_shape = (2, (height - kernel_size) // stride + 1,
+               (width - kernel_size) // stride + 1, 4)
+  cotangent = _random(2, out_shape)
+  fast = lambda x, k: layers.space_to_depth_conv(x, k, stride)
+  direct = lambda x, k: _direct_conv(x, k, stride)
+  run = jax.jit(_output_and_grads, static_argnums=0)
+  out, (gx, gk) = run(fast, x, kernel, cotangent)
+  ref, (gx_ref, gk_ref) = run(direct, x, kernel, cotangent)
+  chex.assert_shape(out, out_shape)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  # Gradients with respect to both the input and the kernel.
+  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('impl', ['space_to_depth', 'direct'])
+@pytest.mark.parametrize('padding', ['VALID', 'SAME'])
+def test_conv2d_impls_and_padding(impl, padding):
+  x = _random(0, (2, 11, 10, 3))
+  kernel = _random(1, (5, 5, 3, 4), 0.2)
+  out = layers.conv2d(x, kernel, 2, padding, impl)
+  np.testing.assert_allclose(out, _direct_conv(x, kernel, 2, padding),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_conv2d_rejects_bad_arguments():
+  x, kernel = jnp.zeros((1, 8, 8, 3)), jnp.zeros((3, 3, 3, 2))
+  with pytest.raises(ValueError, match='conv_impl'):
+    layers.conv2d(x, kernel, 2, impl='fft')
+  with pytest.raises(ValueError, match='padding'):
+    layers.conv2d(x, kernel, 2, padding='FULL')
+  with pytest.raises(ValueError, match='kernel'):
+    layers.conv2d(x, jnp.zeros((3, 3, 2, 2)), 2)
+  with pytest.raises(ValueError, match='larger than the input'):
+    layers.space_to_depth_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
+  with pytest.raises(ValueError, match='conv_impl'):
+    layers.Conv2D(3, 4, 3, 2, conv_impl='fft', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='positive'):
+    layers.Conv2D(3, -4, 3, rngs=nnx.Rngs(0))
+
+
+def test_conv2d_module_shapes_and_bias():
+  dims = chex.Dimensions(B=2, H=13, W=11, C=3, F=5, P=6, Q=5)
+  conv = layers.Conv2D(dims.C, dims.F, 3, 2, bias_init=0.5, rngs=nnx.Rngs(0))
+  x = _random(0, dims['BHWC'])
+  out = conv(x)
+  chex.assert_shape(out, dims['BPQF'])
+  np.testing.assert_allclose(
+      out, _direct_conv(x, conv.kernel[...], 2) + 0.5, rtol=1e-5, atol=1e-5)
+  assert conv.output_size(13) == 6 and conv.output_size(11) == 5
+
+
+# ----------------------------------------------------------------------------
+# Vector capsules.
+
+
+def test_primary_capsules_shapes_and_values():
+  dims = chex.Dimensions(B=2, H=12, W=12, C=6, T=4, D=8)
+  layer = layers.PrimaryCapsules(dims.C, dims.T, dims.D, kernel_size=5,
+                                 stride=2, rngs=nnx.Rngs(0))
+  x = _random(0, dims['BHWC'])
+  out = jax.jit(layer.__call__)(x)
+  grid = (12 - 5) // 2 + 1  # 4
+  chex.assert_shape(out, (dims.B, grid * grid * dims.T, dims.D))
+  assert layer.num_capsules(12, 12) == grid * grid * dims.T
+  conv = np.asarray(_direct_conv(x, layer.conv.kernel[...], 2)
+                    + layer.conv.bias[...].reshape(1, 1, 1, -1))
+  s = conv.reshape(dims.B, grid, grid, dims.T, dims.D).reshape(dims.B, -1,
+                                                               dims.D)
+  norm2 = np.sum(s**2, -1, keepdims=True)
+  expected = norm2 / (1 + norm2) * s / np.sqrt(norm2)
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-6)
+  assert np.all(np.linalg.norm(out, axis=-1) < 1.0)
+
+
+@pytest.mark.parametrize('options', [
+    {},
+    {'accumulate': False, 'squash_constant': 0.5, 'leaky': True,
+     'use_bias': False},
+])
+def test_dense_capsules_match_einsum_reference(options):
+  dims = chex.Dimensions(B=3, I=12, O=5, E=8, D=6)
+  layer = layers.DenseCapsules(dims.I, dims.E, dims.O, dims.D, 3,
+                               rngs=nnx.Rngs(1), **options)
+  chex.assert_shape(layer.weights[...], dims['IOED'])
+  u = np.asarray(_random(0, dims['BIE'], 0.5))
+  outputs, coupling = jax.jit(layer.__call__)(u)
+  chex.assert_shape(outputs, dims['BOD'])
+  chex.assert_shape(coupling, dims['BIO'])
+  u_hat = np.einsum('bie,ioed->biod', u, np.asarray(layer.weights[...]))
+  bias = None if layer.bias is None else np.asarray(layer.bias[...])
+  ref_out, ref_coupling = jax.jit(functools.partial(
+      routing.dynamic_routing, num_iterations=3,
+      accumulate=options.get('accumulate', True),
+      leaky=options.get('leaky', False),
+      squash_constant=options.get('squash_constant', 1.0)))(u_hat, bias=bias)
+  np.testing.assert_allclose(outputs, ref_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(coupling, ref_coupling, rtol=1e-5, atol=1e-6)
+  if layer.bias is not None:
+    np.testing.assert_allclose(layer.bias[...], 0.1)  # The official init.
+
+
+def test_shared_capsules_match_einsum_reference_for_any_input_count():
+  dims = chex.Dimensions(B=2, O=10, E=16, D=4)
+  layer = layers.SharedCapsules(dims.E, dims.O, dims.D, 3, accumulate=False,
+                                squash_constant=0.5, rngs=nnx.Rngs(2))
+  chex.assert_shape(layer.weights[...], dims['OED'])
+  for num_in in (7, 30):
+    u = np.asarray(_random(num_in, (dims.B, num_in, dims.E)))
+    outputs, coupling = jax.jit(layer.__call__)(u)
+    chex.assert_shape(outputs, dims['BOD'])
+    chex.assert_shape(coupling, (dims.B, num_in, dims.O))
+    u_hat = np.einsum('bie,oed->biod', u, np.asarray(layer.weights[...]))
+    ref_out, ref_coupling = jax.jit(functools.partial(
+        routing.dynamic_routing, num_iterations=3, accumulate=False,
+        squash_constant=0.5))(u_hat)
+    np.testing.assert_allclose(outputs, ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(coupling, ref_coupling, rtol=1e-5, atol=1e-6)
+  assert layer.bias is None
+
+
+def test_vector_capsule_layers_validate_arguments():
+  with pytest.raises(ValueError, match='num_iterations'):
+    layers.DenseCapsules(4, 8, 2, 16, 0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='num_out'):
+    layers.SharedCapsules(8, -1, 16, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='vector_votes'):
+    layers.DenseCapsules(4, 8, 2, 16, rngs=nnx.Rngs(0))(jnp.zeros((1, 5, 8)))
+
+
+# ----------------------------------------------------------------------------
+# Matrix capsules.
+
+
+def test_matrix_primary_capsules_shapes_and_values():
+  dims = chex.Dimensions(B=2, H=5, W=4, C=6, T=3, P=4)
+  layer = layers.MatrixPrimaryCapsules(dims.C, dims.T, rngs=nnx.Rngs(0))
+  x = np.asarray(_random(0, dims['BHWC']))
+  poses, acts = layer(x)
+  chex.assert_shape(poses, dims['BHWTPP'])
+  chex.assert_shape(acts, dims['BHWT'])
+  ref_poses = (x @ np.asarray(layer.pose_kernel[...])
+               + np.asarray(layer.pose_bias[...]))
+  np.testing.assert_allclose(poses, ref_poses.reshape(dims['BHWTPP']),
+                             rtol=1e-5, atol=1e-5)
+  logits = (x @ np.asarray(layer.activation_kernel[...])
+            + np.asarray(layer.activation_bias[...]))
+  np.testing.assert_allclose(acts, 1 / (1 + np.exp(-logits)), rtol=1e-5,
+                             atol=1e-6)
+
+
+def _conv_caps_inputs(dims, seed=0):
+  poses = _random(seed, dims['BHWCPP'])
+  acts = 1.0 / (1.0 + np.exp(-_random(seed + 1, dims['BHWC'], 2.0)))
+  return poses, acts
+
+
+_EM_OPTIONS = [
+    {},
+    {'center_momentum': 0.1, 'variance_epsilon': 5e-4, 'normalize_cost': True,
+     'activation_form': 'authors', 'inverse_temperature': (0.5, 1.0, 2.0)},
+]
+
+
+@pytest.mark.parametrize('options', _EM_OPTIONS)
+def test_conv_capsules_match_loop_over_windows(options):
+  kernel_size, stride = 3, 2
+  dims = chex.Dimensions(B=2, H=7, W=5, C=2, O=3, P=4, Q=3, R=2)
+  layer = layers.ConvCapsules(dims.C, dims.O, kernel_size, stride,
+                              beta_u_init=0.2, beta_a_init=-0.1,
+                              rngs=nnx.Rngs(3), **options)
+  poses, acts = _conv_caps_inputs(dims)
+  out_poses, out_acts = jax.jit(layer.__call__)(poses, acts)
+  chex.assert_shape(out_poses, dims['BQROPP'])
+  chex.assert_shape(out_acts, dims['BQRO'])
+  weights = np.asarray(layer.weights[...])  # [K, K, C, O, P, P]
+  poses_np, acts_np = np.asarray(poses), np.asarray(acts)
+  reference = jax.jit(functools.partial(routing.em_routing, num_iterations=3,
+                                        **options))
+  for row in range(dims.Q):
+    for col in range(dims.R):
+      rows = slice(row * stride, row * stride + kernel_size)
+      cols = slice(col * stride, col * stride + kernel_size)
+      window = poses_np[:, rows, cols]  # [B, K, K, C, P, P]
+      v = np.einsum('bklcpq,klcoqr->bklcopr', window, weights)
+      v = v.reshape(dims.B, -1, dims.O, dims.P * dims.P)
+      a = acts_np[:, rows, cols].reshape(dims.B, -1)
+      ref_poses, ref_acts, _ = reference(v, a, layer.beta_u[...],
+                                         layer.beta_a[...])
+      np.testing.assert_allclose(
+          out_poses[:, row, col].reshape(dims.B, dims.O, -1), ref_poses,
+          rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(out_acts[:, row, col], ref_acts, rtol=1e-4,
+                                 atol=1e-6)
+
+
+def _child_totals(assignments, height, width, kernel_size, stride, num_types):
+  """Sum of R over every (window, parent) that each child votes in."""
+  a = np.asarray(assignments).sum(-1)  # [B, H', W', I]
+  batch, out_h, out_w, _ = a.shape
+  a = a.reshape(batch, out_h, out_w, kernel_size, kernel_size, num_types)
+  totals = np.zeros((batch, height, width, num_types))
+  for row in range(out_h):
+    for col in range(out_w):
+      totals[:, row * stride:row * stride + kernel_size,
+             col * stride:col * stride + kernel_size] += a[:, row, col]
+  return totals
+
+
+def test_conv_capsules_normalize_across_positions():
+  kernel_size, stride = 3, 1
+  dims = chex.Dimensions(B=2, H=5, W=6, C=2, O=3, P=4)
+  layer = layers.ConvCapsules(dims.C, dims.O, kernel_size, stride,
+                              normalize_across_positions=True,
+                              rngs=nnx.Rngs(4))
+  poses, acts = _conv_caps_inputs(dims)
+  params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
+  out = jax.jit(lambda p, a: layer(p, a))(poses, acts)
+  chex.assert_shape(out[0], (dims.B, 3, 4, dims.O, 4, 4))
+  route = jax.jit(layers.conv_capsule_routing,
+                  static_argnames=('stride', 'normalize_across_positions'))
+  _, _, assignments = route(poses, acts, *params, stride=stride,
+                            normalize_across_positions=True)
+  chex.assert_shape(assignments, (dims.B, 3, 4, 9 * dims.C, dims.O))
+  # Each child's assignments sum to 1 over every parent of every window that
+  # covers it (here every child is covered), not to 1 within each window.
+  totals = _child_totals(assignments, dims.H, dims.W, kernel_size, stride,
+                         dims.C)
+  np.testing.assert_allclose(totals, 1.0, rtol=1e-5)
+  # A child covered by several windows splits itself among them.
+  per_window = np.asarray(assignments).sum(-1)
+  assert np.min(per_window) < 0.5
+
+
+def test_conv_capsules_across_positions_equals_local_without_overlap():
+  # With stride = K every child is in exactly one window, so normalising over
+  # all its parents is normalising within its window.
+  dims = chex.Dimensions(B=2, H=4, W=6, C=2, O=3, P=4)
+  poses, acts = _conv_caps_inputs(dims, seed=5)
+  layer = layers.ConvCapsules(dims.C, dims.O, 2, 2, rngs=nnx.Rngs(5))
+  params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
+  route = jax.jit(layers.conv_capsule_routing,
+                  static_argnames=('stride', 'normalize_across_positions'))
+  local = route(poses, acts, *params, stride=2,
+                normalize_across_positions=False)
+  across = route(poses, acts, *params, stride=2,
+                 normalize_across_positions=True)
+  # Different float32 summation orders: absolute tolerance for tiny values.
+  for a, b in zip(local, across, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+
+
+def test_conv_capsules_remat_and_bfloat16_votes():
+  dims = chex.Dimensions(B=2, H=5, W=5, C=2, O=3, P=4)
+  poses, acts = _conv_caps_inputs(dims, seed=6)
+  plain = layers.ConvCapsules(dims.C, dims.O, 3, 2, rngs=nnx.Rngs(6))
+  remat = layers.ConvCapsules(dims.C, dims.O, 3, 2, remat=True,
+                              rngs=nnx.Rngs(6))
+  half = layers.ConvCapsules(dims.C, dims.O, 3, 2, votes_dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(6))
+
+  @nnx.jit
+  @functools.partial(nnx.value_and_grad, argnums=(0, 1), has_aux=True)
+  def loss_and_grads(conv, poses, acts):
+    out_poses, out_acts = conv(poses, acts)
+    return jnp.sum(out_poses * out_acts[..., None, None]), (out_poses,
+                                                             out_acts)
+
+  (value, (out_p, out_a)), (grads, grad_poses) = loss_and_grads(
+      plain, poses, acts)
+  (value_r, _), (grads_r, grad_poses_r) = loss_and_grads(remat, poses, acts)
+  np.testing.assert_allclose(value, value_r, rtol=1e-5)
+  np.testing.assert_allclose(grad_poses, grad_poses_r, rtol=1e-4, atol=1e-6)
+  for name in ('weights', 'beta_u', 'beta_a'):
+    np.testing.assert_allclose(grads[name][...], grads_r[name][...],
+                               rtol=1e-4, atol=1e-6)
+  # No NaN for all-zero activations and identical poses (the same program).
+  (value_0, _), (grads_0, grad_poses_0) = loss_and_grads(
+      plain, np.ones_like(poses), np.zeros_like(acts))
+  assert np.isfinite(value_0) and np.all(np.isfinite(grad_poses_0))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads_0))
+  # bfloat16 votes: float32 outputs close to the float32 layer's.
+  half_p, half_a = nnx.jit(lambda conv: conv(poses, acts))(half)
+  assert half_p.dtype == jnp.float32 and half_a.dtype == jnp.float32
+  np.testing.assert_allclose(half_a, out_a, atol=0.05)
+  np.testing.assert_allclose(half_p, out_p, rtol=0.05, atol=0.05)
+
+
+def test_conv_capsules_validate_arguments():
+  with pytest.raises(ValueError, match='num_iterations'):
+    layers.ConvCapsules(2, 3, num_iterations=0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='activation_form'):
+    layers.ConvCapsules(2, 3, activation_form='hinton', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='one value per iteration'):
+    layers.ConvCapsules(2, 3, inverse_temperature=(1.0, 2.0),
+                        rngs=nnx.Rngs(0))
+  layer = layers.ConvCapsules(2, 3, kernel_size=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='larger than the input'):
+    layer(jnp.zeros((1, 2, 2, 2, 4, 4)), jnp.zeros((1, 2, 2, 2)))
+  with pytest.raises(ValueError, match='do not match'):
+    layer(jnp.zeros((1, 5, 5, 3, 4, 4)), jnp.zeros((1, 5, 5, 3)))
+
+
+def test_matrix_layers_authors_init():
+  conv = layers.ConvCapsules(8, 8, rngs=nnx.Rngs(0),
+                             **layers.AUTHORS_CONV_INIT)
+  np.testing.assert_allclose(conv.beta_a[...], 0.5)
+  np.testing.assert_allclose(conv.beta_u[...], 0.5)
+  assert abs(float(jnp.std(conv.weights[...])) - 0.3) < 0.02
+  cls = layers.ClassCapsules(8, 5, rngs=nnx.Rngs(0),
+                             **layers.AUTHORS_CLASS_INIT)
+  np.testing.assert_allclose(cls.beta_a[...], 1.0)
+  np.testing.assert_allclose(cls.beta_u[...], 2.0)
+  assert abs(float(jnp.std(cls.weights[...])) - 0.01) < 0.002
+  plain = layers.ConvCapsules(8, 8, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(plain.beta_a[...], 0.0)
+  assert abs(float(jnp.std(plain.weights[...])) - 0.5) < 0.03
+
+
+def test_class_capsules_coordinate_addition_by_hand():
+  dims = chex.Dimensions(B=2, H=3, W=2, C=2, O=4, P=4)
+  layer = layers.ClassCapsules(dims.C, dims.O, beta_u_init=0.1,
+                               beta_a_init=0.2, rngs=nnx.Rngs(7))
+  assert layer.coordinate_addition
+  poses, acts = _conv_caps_inputs(dims, seed=7)
+  out_poses, out_acts = jax.jit(layer.__call__)(poses, acts)
+  chex.assert_shape(out_poses, dims['BOPP'])
+  chex.assert_shape(out_acts, dims['BO'])
+  weights = np.asarray(layer.weights[...])  # [C, O, P, P]
+  v = np.zeros((dims.B, dims.H, dims.W, dims.C, dims.O, 16), np.float32)
+  for h in range(dims.H):
+    for w in range(dims.W):
+      for c in range(dims.C):
+        for o in range(dims.O):
+          v[:, h, w, c, o] = (poses[:, h, w, c] @ weights[c, o]).reshape(
+              dims.B, 16)
+          # The scaled centre of cell (h, w), on vote entries 0 and 1.
+          v[:, h, w, c, o, 0] += (h + 0.5) / dims.H
+          v[:, h, w, c, o, 1] += (w + 0.5) / dims.W
+  ref_poses, ref_acts, _ = jax.jit(routing.em_routing, static_argnums=4)(
+      v.reshape(dims.B, -1, dims.O, 16), acts.reshape(dims.B, -1),
+      layer.beta_u[...], layer.beta_a[...], 3)
+  np.testing.assert_allclose(out_poses.reshape(dims.B, dims.O, 16), ref_poses,
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out_acts, ref_acts, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,282 @@
+"""Tests for capsjax.models: registry, parameter counts, calls under jit."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from capsjax import models
+
+# Small widths: the full models are slow to compile and run on a CPU.
+SMALL_CAPSNET = dict(conv1_channels=16, primary_types=4,
+                     decoder_widths=(32, 64))
+SMALL_MATRIX = dict(A=8, B=4, C=4, D=4)
+SMALL_TRUNK = dict(trunk_widths=(8, 8, 16, 16))
+
+
+def _images(seed, shape):
+  rng = np.random.default_rng(seed)
+  return rng.uniform(size=shape).astype(np.float32)
+
+
+def _abstract(name, **options):
+  """The model with abstract parameters: counts and errors without compute."""
+  return nnx.eval_shape(
+      lambda: models.create_model(name, rngs=nnx.Rngs(0), **options))
+
+
+def _all_finite(tree):
+  return all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+@functools.partial(nnx.jit, static_argnames=('loss_key', 'train'))
+@functools.partial(nnx.value_and_grad, has_aux=True)
+def _loss_and_grads(model, images, labels, loss_key, train=True):
+  out = model(images, labels, train=train)
+  return sum(jnp.sum(v) for k, v in out.items() if k in loss_key), out
+
+
+# ----------------------------------------------------------------------------
+# Registry.
+
+
+def test_registry_lists_every_model_with_a_family():
+  names = models.list_models()
+  assert names == ('baseline_cnn', 'capsnet', 'matrix_capsnet',
+                   'two_digit_baseline', 'two_digit_capsnet')
+  assert set(models.MODEL_FAMILY) == set(names)
+  assert models.MODEL_FAMILY['matrix_capsnet'] == 'em'
+  assert models.MODEL_FAMILY['capsnet'] == 'dynamic'
+  assert set(models.MODEL_FAMILY.values()) == {'dynamic', 'em'}
+  assert models.model_options('capsnet')['num_iterations'] == 3
+
+
+@pytest.mark.parametrize('name,options,message', [
+    ('capsule_net', {}, 'valid names: baseline_cnn, capsnet'),
+    ('capsnet', {'iterations': 3}, r"unknown option\(s\) \['iterations'\]"),
+    ('capsnet', {'num_iterations': 0}, 'num_iterations'),
+    ('capsnet', {'conv1_channels': -8}, 'out_features'),
+    ('capsnet', {'decoder_widths': (512, 0)}, 'decoder_widths'),
+    ('capsnet', {'input_shape': (8, 8, 1)}, 'larger than the input'),
+    ('capsnet', {'conv_impl': 'fft'}, 'conv_impl'),
+    ('baseline_cnn', {'fc_widths': (328, -1)}, 'fc_widths'),
+    ('baseline_cnn', {'dropout_rate': 1.5}, 'dropout_rate'),
+    ('matrix_capsnet', {'input_shape': (16, 16, 1)}, 'larger than the input'),
+    ('matrix_capsnet', {'A': 0}, 'A must be'),
+    ('matrix_capsnet', {'num_iterations': 0}, 'num_iterations'),
+    ('matrix_capsnet', {'init': 'xavier'}, 'init'),
+    ('matrix_capsnet', {'activation_form': 'gmm'}, 'activation_form'),
+    ('two_digit_capsnet', {'trunk_widths': (8, 8)}, 'trunk_widths'),
+    ('two_digit_baseline', {'hidden_width': -1}, 'hidden_width'),
+])
+def test_bad_names_and_options_raise_clear_errors(name, options, message):
+  with pytest.raises(ValueError, match=message):
+    _abstract(name, **options)
+
+
+def test_bad_images_raise_clear_errors():
+  capsnet = _abstract('capsnet', **SMALL_CAPSNET)
+  with pytest.raises(ValueError, match=r'images must be \[B, 28, 28, 1\]'):
+    capsnet(jnp.zeros((2, 32, 32, 1)))
+  trunk = _abstract('two_digit_capsnet', **SMALL_TRUNK)
+  with pytest.raises(ValueError, match='at least 14x14'):
+    trunk(jnp.zeros((2, 12, 28, 1)))
+
+
+# ----------------------------------------------------------------------------
+# Parameter counts.
+
+
+def test_capsnet_parameter_count():
+  model = _abstract('capsnet')
+  assert models.count_params(model.conv1) == 20_992
+  assert models.count_params(model.primary) == 5_308_672
+  assert models.count_params(model.digit) == 1_474_560 + 160
+  assert models.count_params(model.decoder) == 1_411_344
+  assert models.count_params(model) == 8_215_728
+  assert models.count_params(_abstract('capsnet', use_bias=False)) == 8_215_568
+  assert models.count_params(
+      _abstract('capsnet', reconstruction=False)) == 6_804_384
+
+
+def test_baseline_cnn_parameter_count():
+  # 35.4M in the paper: 'SAME' 5x5 convs without pooling, FC 328, FC 192.
+  assert models.count_params(_abstract('baseline_cnn')) == 35_445_522
+
+
+@pytest.mark.parametrize('options,expected', [
+    ({}, 316_394),  # A = B = C = D = 32; the paper's "310K"
+    ({'A': 64, 'B': 8, 'C': 16, 'D': 16}, 67_154),  # the paper's "68K"
+])
+def test_matrix_capsnet_parameter_count(options, expected):
+  model = _abstract('matrix_capsnet', **options)
+  assert models.count_params(model) == expected
+  assert model.grid_sizes == ((14, 6, 4), (14, 6, 4))
+
+
+def test_two_digit_parameter_counts():
+  # Seed 004: "about 270K" for both; neither depends on the input size.
+  assert models.count_params(_abstract('two_digit_baseline')) == 276_810
+  assert models.count_params(_abstract('two_digit_capsnet')) == 279_488
+
+
+# ----------------------------------------------------------------------------
+# Calls under jit.
+
+
+def test_capsnet_small_outputs_masks_and_grads():
+  dims = chex.Dimensions(B=2, K=10, D=16, I=6 * 6 * 4, N=28 * 28)
+  model = models.create_model('capsnet', rngs=nnx.Rngs(0), **SMALL_CAPSNET)
+  images = _images(0, (dims.B, 28, 28, 1))
+  labels = np.array([3, 7], np.int32)
+  multi_hot = np.zeros((dims.B, dims.K), np.float32)
+  multi_hot[0, [1, 2]] = multi_hot[1, 5] = 1.0
+
+  @nnx.jit
+  def run(model, images, labels, multi_hot):
+    def decode(capsules, mask):
+      flat = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
+      return jax.nn.sigmoid(model.decoder(flat))
+    train = model(images, labels, train=True)
+    multi = model(images, multi_hot, train=True)
+    test = model(images, labels, train=False)
+    longest = jax.nn.one_hot(jnp.argmax(test['lengths'], -1), 10)
+    refs = (decode(train['capsules'], jax.nn.one_hot(labels, 10)),
+            decode(train['capsules'], multi_hot),
+            decode(test['capsules'], longest))
+    return train, multi, test, refs
+
+  train, multi, test, refs = run(model, images, labels, multi_hot)
+  chex.assert_shape(train['lengths'], dims['BK'])
+  chex.assert_shape(train['capsules'], dims['BKD'])
+  chex.assert_shape(train['coupling'], dims['BIK'])
+  chex.assert_shape(train['reconstructions'], dims['BN'])
+  lengths = np.asarray(train['lengths'])
+  assert np.all((lengths >= 0) & (lengths < 1))
+  np.testing.assert_allclose(lengths, np.linalg.norm(train['capsules'],
+                                                     axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(np.sum(train['coupling'], -1), 1.0, rtol=1e-5)
+  for out, ref in zip((train, multi, test), refs, strict=True):
+    np.testing.assert_allclose(out['reconstructions'], ref, rtol=1e-5,
+                               atol=1e-6)
+  # Routing does not see the labels.
+  np.testing.assert_allclose(test['capsules'], train['capsules'], rtol=1e-6)
+
+  (value, out), grads = _loss_and_grads(
+      model, images, labels, loss_key=('lengths', 'reconstructions'))
+  assert np.isfinite(value) and _all_finite(grads)
+  chex.assert_trees_all_equal_shapes(grads, nnx.state(model, nnx.Param))
+
+
+def test_full_capsnet_forward():
+  dims = chex.Dimensions(B=2, K=10, D=16, I=1152, N=784)
+  model = models.create_model('capsnet', rngs=nnx.Rngs(0))
+  out = nnx.jit(lambda m, x: m(x))(model, _images(1, (dims.B, 28, 28, 1)))
+  chex.assert_shape(out['lengths'], dims['BK'])
+  chex.assert_shape(out['capsules'], dims['BKD'])
+  chex.assert_shape(out['coupling'], dims['BIK'])
+  chex.assert_shape(out['reconstructions'], dims['BN'])
+  assert _all_finite(out)
+
+
+def test_baseline_cnn_small_dropout_only_in_training():
+  model = models.create_model(
+      'baseline_cnn', rngs=nnx.Rngs(params=0, dropout=1),
+      conv_channels=(8, 8, 4), fc_widths=(16, 8))
+  images = _images(2, (3, 28, 28, 1))
+  forward = nnx.jit(lambda m, x, train: m(x, train=train)['logits'],
+                    static_argnames='train')
+  eval_1, eval_2 = forward(model, images, False), forward(model, images, False)
+  train_1, train_2 = forward(model, images, True), forward(model, images, True)
+  chex.assert_shape(eval_1, (3, 10))
+  np.testing.assert_array_equal(eval_1, eval_2)
+  assert not np.allclose(train_1, train_2)  # A fresh mask each step.
+  assert not np.allclose(train_1, eval_1)
+
+
+def test_matrix_capsnet_small_outputs_and_grads():
+  dims = chex.Dimensions(B=2, K=5, P=4)
+  model = models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
+                              **SMALL_MATRIX)
+  images = _images(3, (dims.B, 32, 32, 1))
+  (value, out), grads = _loss_and_grads(
+      model, images, None, loss_key=('activations', 'poses'))
+  chex.assert_shape(out['activations'], dims['BK'])
+  chex.assert_shape(out['poses'], dims['BKPP'])
+  acts = np.asarray(out['activations'])
+  assert np.all((acts > 0) & (acts < 1))
+  assert np.isfinite(value) and _all_finite(grads)
+  # Blank images: every pose equal; still finite (the same compiled program).
+  (value, _), grads = _loss_and_grads(
+      model, np.zeros_like(images), None, loss_key=('activations', 'poses'))
+  assert np.isfinite(value) and _all_finite(grads)
+
+
+def test_matrix_capsnet_options_reach_the_layers_on_mnist_shapes():
+  # Abstract (eval_shape) model and call: the plumbing, without compiling
+  # a second EM network (the layers' tests run these options for real).
+  model = _abstract(
+      'matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
+      init='authors', activation_form='authors',
+      normalize_across_positions=True, center_momentum=0.1,
+      normalize_cost=True, variance_epsilon=5e-4, remat=True,
+      votes_dtype=jnp.bfloat16, inverse_temperature=1.0,
+      class_inverse_temperature=(0.001, 0.002, 0.003), **SMALL_MATRIX)
+  assert model.grid_sizes == ((12, 5, 3), (12, 5, 3))
+  for layer in (model.caps1, model.caps2):
+    assert layer.normalize_across_positions and layer.remat
+    assert layer.votes_dtype == jnp.bfloat16
+    assert layer.routing_options == dict(
+        num_iterations=3, inverse_temperature=1.0, variance_epsilon=5e-4,
+        normalize_cost=True, center_momentum=0.1, activation_form='authors')
+  assert model.class_caps.routing_options['inverse_temperature'] == (
+      0.001, 0.002, 0.003)
+  out = nnx.eval_shape(lambda m, x: m(x), model,
+                       jax.ShapeDtypeStruct((2, 28, 28, 1), jnp.float32))
+  assert out['activations'].shape == (2, 10)
+  assert out['poses'].shape == (2, 10, 4, 4)
+  assert out['poses'].dtype == jnp.float32
+
+
+def test_matrix_capsnet_init_options():
+  paper = models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
+                              **SMALL_MATRIX)
+  authors = models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
+                                init='authors', **SMALL_MATRIX)
+  np.testing.assert_allclose(paper.caps1.beta_a[...], 0.0)
+  np.testing.assert_allclose(authors.caps1.beta_a[...], 0.5)
+  np.testing.assert_allclose(authors.caps2.beta_u[...], 0.5)
+  np.testing.assert_allclose(authors.class_caps.beta_a[...], 1.0)
+  np.testing.assert_allclose(authors.class_caps.beta_u[...], 2.0)
+  assert float(jnp.std(authors.class_caps.weights[...])) < 0.02
+
+
+@pytest.mark.parametrize('name', ['two_digit_baseline', 'two_digit_capsnet'])
+def test_two_digit_models_accept_any_width(name):
+  model = models.create_model(name, rngs=nnx.Rngs(0), **SMALL_TRUNK)
+
+  @nnx.jit
+  def run(model, single, pair):
+    grad_fn = nnx.value_and_grad(
+        lambda m: (jnp.sum(m(pair)['scores']), m(pair)), has_aux=True)
+    return model(single), grad_fn(model)
+
+  single, ((value, pair), grads) = run(
+      model, _images(5, (2, 28, 28, 1)), _images(6, (2, 28, 56, 1)))
+  chex.assert_shape(single['scores'], (2, 10))
+  chex.assert_shape(pair['scores'], (2, 10))
+  assert np.isfinite(value) and _all_finite(grads)
+  for out in (single, pair):
+    scores = np.asarray(out['scores'])
+    assert np.all((scores >= 0) & (scores <= 1))
+  if name == 'two_digit_capsnet':
+    chex.assert_shape(single['capsules'], (2, 10, 16))
+    chex.assert_shape(single['coupling'], (2, 8 * 8, 10))
+    chex.assert_shape(pair['coupling'], (2, 8 * 22, 10))
+    np.testing.assert_allclose(
+        single['scores'], np.linalg.norm(single['capsules'], axis=-1),
+        rtol=1e-5)
