@@ -1,0 +1,246 @@
+"""Tests of capsjax.figures and the figure CLIs (capsnet_figures, routing_pictures).
+
+Small models keep the library tests fast; one tiny training run (4 steps on
+the shared MNIST, about 20 s of CPU, most of it compilation) gives the CLIs a
+real workdir: those two tests are marked slow (``-m "not slow"`` skips them).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from capsjax import figures
+from capsjax import models
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
+needs_mnist = pytest.mark.skipif(
+    not os.path.exists(os.path.join(MNIST, 't10k-images-idx3-ubyte.gz')),
+    reason='../shared/data/mnist not present')
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.fixture(scope='module')
+def capsnet():
+  return models.create_model('capsnet', rngs=nnx.Rngs(0), conv1_channels=8,
+                             primary_types=4, decoder_widths=(16, 32))
+
+
+@pytest.fixture(scope='module')
+def matrix_capsnet():
+  return models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
+                             input_shape=(28, 28, 1), num_classes=10, A=8, B=4,
+                             C=4, D=4)
+
+
+@pytest.fixture(scope='module')
+def images():
+  """Four 28x28 'digits': a bright bar, a box, a cross and noise."""
+  rng = np.random.default_rng(0)
+  out = np.zeros((4, 28, 28, 1), np.float32)
+  out[0, 6:22, 12:16] = 1.0
+  out[1, 6:22, 6:22] = 1.0
+  out[1, 9:19, 9:19] = 0.0
+  out[2, 12:16, 4:24] = out[2, 4:24, 12:16] = 1.0
+  out[3] = rng.uniform(size=(28, 28, 1))
+  return out
+
+
+def _check_png(path, min_size=(100, 100)):
+  import matplotlib.image
+  with open(path, 'rb') as f:
+    assert f.read(8) == PNG_MAGIC, path
+  pixels = matplotlib.image.imread(path)
+  assert pixels.ndim == 3 and pixels.shape[0] >= min_size[0] and (
+      pixels.shape[1] >= min_size[1]), pixels.shape
+  # Not a blank canvas.
+  assert np.ptp(pixels[..., :3]) > 0.1
+  return pixels.shape
+
+
+def test_perturbed_reconstructions(capsnet, images):
+  out = figures.model_outputs(capsnet, images[:1])
+  tiles = figures.perturbed_reconstructions(capsnet, images[0])
+  steps = figures.PERTURBATION_STEPS
+  assert steps.shape == (11,) and steps[5] == 0.0
+  np.testing.assert_allclose(steps[[0, -1]], [-0.25, 0.25])
+  assert tiles.shape == (16, 11, 28, 28, 1)
+  assert np.all(np.isfinite(tiles)) and tiles.min() >= 0 and tiles.max() <= 1
+  # Offset 0: every dimension's row shows the model's own reconstruction.
+  own = out['reconstructions'][0].reshape(28, 28, 1)
+  for d in range(16):
+    np.testing.assert_allclose(tiles[d, 5], own, atol=1e-5)
+  # Every other offset changes the picture, and differently per offset.
+  for s in range(11):
+    for t in range(s + 1, 11):
+      assert np.abs(tiles[:, s] - tiles[:, t]).max() > 1e-6, (s, t)
+  # Rows differ: each dimension moves the decoder its own way.
+  assert np.abs(tiles[0, 0] - tiles[1, 0]).max() > 1e-6
+
+
+def test_perturbed_reconstructions_other_steps_and_uint8(capsnet, images):
+  uint8 = (images[0] * 255).astype(np.uint8)
+  tiles = figures.perturbed_reconstructions(capsnet, uint8, [-1.0, 0.0, 1.0])
+  assert tiles.shape == (16, 3, 28, 28, 1)
+  reference = figures.perturbed_reconstructions(capsnet, images[0], [0.0])
+  np.testing.assert_allclose(tiles[:, 1], reference[:, 0], atol=1e-5)
+
+
+def test_perturbed_reconstructions_errors(capsnet, images):
+  model = models.create_model('capsnet', rngs=nnx.Rngs(0), conv1_channels=8,
+                              primary_types=4, reconstruction=False)
+  with pytest.raises(ValueError, match='no decoder'):
+    figures.perturbed_reconstructions(model, images[0])
+  with pytest.raises(ValueError, match='image must be'):
+    figures.perturbed_reconstructions(capsnet, images)
+
+
+def test_reconstruction_grid_writes_png(capsnet, images, tmp_path):
+  out = figures.model_outputs(capsnet, images)
+  path = tmp_path / 'sub' / 'reconstructions.png'
+  fig = figures.reconstruction_grid(
+      images, out['reconstructions'], path, labels=[1, 0, 4, 7],
+      predictions=np.argmax(out['lengths'], -1))
+  assert fig is not None and len(fig.axes) == 8
+  height, width, _ = _check_png(path)
+  assert width > height  # four columns, two rows
+  # Without a path nothing is written; [N, H*W*C] and [N, H, W, C] both work.
+  figures.reconstruction_grid(images, out['reconstructions'].reshape(4, 28, 28, 1))
+  with pytest.raises(ValueError, match='do not match'):
+    figures.reconstruction_grid(images, out['reconstructions'][:2])
+
+
+def test_perturbation_grid_writes_png(capsnet, images, tmp_path):
+  path = tmp_path / 'perturbation.png'
+  figures.perturbation_grid(capsnet, images[2], path)
+  height, width, _ = _check_png(path, min_size=(300, 200))
+  assert height > width  # 16 rows of 11 columns
+
+
+def test_capsnet_routing_and_coupling_figure(capsnet, images, tmp_path):
+  info = figures.capsnet_routing(capsnet, images[0])
+  out = figures.model_outputs(capsnet, images[:1])
+  assert info['grid'] == (6, 6, 4)
+  assert info['coupling'].shape == (144, 10)
+  np.testing.assert_allclose(info['coupling'].sum(-1), 1.0, atol=1e-5)
+  np.testing.assert_allclose(info['coupling'], out['coupling'][0], atol=1e-6)
+  assert info['primary_lengths'].shape == (144,)
+  assert np.all((info['primary_lengths'] >= 0) & (info['primary_lengths'] < 1))
+  assert info['prediction'] == int(np.argmax(out['lengths'][0]))
+  path = tmp_path / 'coupling.png'
+  fig = figures.coupling_figure(
+      images[0], info['coupling'], info['grid'], path,
+      lengths=info['primary_lengths'], prediction=info['prediction'],
+      scores=info['scores'])
+  _check_png(path)
+  assert any('(pred)' in ax.get_title() for ax in fig.axes)
+  with pytest.raises(ValueError, match='coupling must be'):
+    figures.coupling_figure(images[0], info['coupling'], (5, 6, 4))
+
+
+def test_em_class_routing_and_assignment_figure(matrix_capsnet, images,
+                                                tmp_path):
+  info = figures.em_class_routing(matrix_capsnet, images[1])
+  assert info['grid'] == (3, 3, 4)
+  assert info['assignments'].shape == (36, 10)
+  assert info['input_activations'].shape == (36,)
+  assert np.all(np.isfinite(info['assignments']))
+  np.testing.assert_allclose(info['assignments'].sum(-1), 1.0, atol=1e-4)
+  assert info['scores'].shape == (10,)
+  path = tmp_path / 'assignments.png'
+  figures.assignment_figure(
+      images[1], info['assignments'], path, grid=info['grid'],
+      activations=info['input_activations'], prediction=info['prediction'],
+      scores=info['scores'])
+  _check_png(path)
+  # Already [h, w, types, K]: no grid needed.
+  figures.assignment_figure(images[1], info['assignments'].reshape(3, 3, 4, 10))
+  with pytest.raises(ValueError, match='grid'):
+    figures.assignment_figure(images[1], info['assignments'])
+
+
+def test_routing_figure_dispatches(capsnet, matrix_capsnet, images, tmp_path):
+  figures.routing_figure(capsnet, images[2], tmp_path / 'a.png')
+  figures.routing_figure(matrix_capsnet, images[2], tmp_path / 'b.png')
+  _check_png(tmp_path / 'a.png')
+  _check_png(tmp_path / 'b.png')
+  baseline = models.create_model('baseline_cnn', rngs=nnx.Rngs(0),
+                                 conv_channels=(4,), fc_widths=(8,))
+  with pytest.raises(ValueError, match='no routing'):
+    figures.routing_figure(baseline, images[0])
+
+
+# ----------------------------------------------------------------------------
+# The command-line tools on a real (4-step) workdir.
+
+
+def _run(module, *args):
+  return subprocess.run(
+      [sys.executable, '-m', module, *args], cwd=REPO, capture_output=True,
+      text=True, timeout=300, env=os.environ | {'CAPSJAX_NO_PROGRESS': '1'})
+
+
+@pytest.fixture(scope='module')
+def capsnet_workdir(tmp_path_factory):
+  from capsjax import train_dynamic
+  from experiments.configs import capsnet_mnist
+  config = capsnet_mnist.get_config('smoke')
+  config.num_train_steps = 4
+  config.validation_size = 200
+  config.eval_every_steps = 4
+  config.checkpoint_every_steps = 4
+  config.log_every_steps = 2
+  config.batch_size = 16
+  # Smaller than the smoke model still: the figures, not the accuracy, count.
+  config.model_options.conv1_channels = 8
+  config.model_options.primary_types = 4
+  config.data_dir = MNIST
+  workdir = str(tmp_path_factory.mktemp('capsnet_workdir'))
+  train_dynamic.train_and_evaluate(config, workdir)
+  return workdir
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_capsnet_figures_cli(capsnet_workdir, tmp_path):
+  output_dir = tmp_path / 'figs'
+  result = _run('experiments.capsnet_figures', f'--workdir={capsnet_workdir}',
+                f'--output_dir={output_dir}', '--num_images=5')
+  assert result.returncode == 0, result.stdout + result.stderr
+  for name in ('reconstructions.png', 'perturbation.png'):
+    path = output_dir / name
+    assert str(path) in result.stdout
+    _check_png(path)
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_routing_pictures_cli(capsnet_workdir):
+  result = _run('experiments.routing_pictures', f'--workdir={capsnet_workdir}',
+                '--index=3', '--which=latest')
+  assert result.returncode == 0, result.stdout + result.stderr
+  path = os.path.join(capsnet_workdir, 'figures', 'routing.png')
+  assert path in result.stdout
+  _check_png(path)
+
+
+@pytest.mark.parametrize('module', ['experiments.capsnet_figures',
+                                    'experiments.routing_pictures'])
+def test_cli_missing_workdir_is_a_clean_error(module, tmp_path):
+  result = _run(module, f'--workdir={tmp_path / "nothing"}')
+  output = result.stdout + result.stderr
+  assert result.returncode == 2, output
+  assert 'error' in output and 'not a capsjax workdir' in output
+  assert 'Traceback' not in output
+
+
+def test_cli_help_lists_every_flag():
+  result = _run('experiments.capsnet_figures', '--help')
+  assert 'Traceback' not in result.stderr, result.stderr
+  for flag in ('workdir', 'output_dir', 'num_images', 'perturbation_index',
+               'data_dir', 'which'):
+    assert f'--{flag}' in result.stdout, flag
