@@ -319,6 +319,8 @@ def evaluate(eval_step: Callable, state: TrainState,
   num = len(split.labels)
   if num == 0:
     return {}
+  # No bigger than the split needs (rounded up to the device count).
+  batch_size = min(batch_size, -(-num // mesh.size) * mesh.size)
   batch_size = max(mesh.size, batch_size - batch_size % mesh.size)
   totals: dict[str, float] = {}
   labels = jnp.asarray(split.labels)

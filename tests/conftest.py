@@ -1,6 +1,7 @@
 """Shared pytest configuration for the capsjax tests."""
 
 import os
+import tempfile
 
 # Unit tests spend most of their time in XLA compilation; the backend's
 # lowest optimisation level roughly halves it. Set before jax is imported.
@@ -9,6 +10,13 @@ import os
 _CALLER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
 os.environ['XLA_FLAGS'] = (_CALLER_XLA_FLAGS +
                            ' --xla_backend_optimization_level=0').strip()
+
+# One persistent XLA compilation cache for the whole session, shared with the
+# training subprocesses: runs that resume or repeat a computation reuse it.
+os.environ.setdefault(
+    'JAX_COMPILATION_CACHE_DIR',
+    os.path.join(tempfile.gettempdir(), f'capsjax-test-xla-cache-{os.getuid()}'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '1')
 
 import jax  # noqa: E402
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from capsjax import train_lib
+from tests import conftest
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 
@@ -32,7 +33,7 @@ def _launch(workdir, config, *overrides, module='experiments.capsnet_mnist'):
       [sys.executable, '-m', module, f'--workdir={workdir}',
        f'--config={config}', *overrides],
       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      env=os.environ | {'CAPSJAX_NO_PROGRESS': '1'})
+      env=conftest.training_env())
 
 
 def _final_params(workdir):

@@ -3,8 +3,8 @@
   python -m experiments.matrix_capsnet --workdir=/tmp/em_mnist \\
       --config=experiments/configs/matrix_capsnet_mnist.py
 
-Variants: smoke (a small model that trains on a CPU in a few minutes; CI runs
-it), fashion (Fashion-MNIST), small (A=64, B=8, C=D=16, the 68K model).
+Variants: smoke (a small model, A=32, B=C=D=8, for CPU experiments), fashion
+(Fashion-MNIST), small (A=64, B=8, C=D=16, the 68K model).
 """
 
 from experiments.configs import common

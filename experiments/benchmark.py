@@ -1,0 +1,742 @@
+"""Throughput, compile time and memory of the models; routing vs its roofline.
+
+  python -m experiments.benchmark --model=capsnet_mnist:smoke --batch_size=64 \\
+      --steps=10 --output=results/benchmarks/capsnet_mnist_smoke.json
+  python -m experiments.benchmark --model=matrix_capsnet_smallnorb \\
+      --batch_size=64 --compile_only --model_option=remat=True
+  python -m experiments.benchmark --routing_only --batch_size=32 \\
+      --output=results/benchmarks/routing.json --markdown=routing.md
+  python -m experiments.benchmark --model=two_digit_capsnet --batch_size=32 \\
+      --sweep=image_size:28,40,56
+
+``--model`` is a registry name (``capsnet``, ``matrix_capsnet``, ...: default
+options, default training config of its family) or a config reference
+``FILE[:VARIANT]`` resolved to ``experiments/configs/FILE.py``
+``get_config(VARIANT)`` (``capsnet_mnist:smoke``, ``matrix_capsnet_smallnorb``).
+
+Model rows time the real jitted train step (``train_dynamic`` /
+``train_em.make_steps``, state donated, as ``train_lib.fit`` runs it) and eval
+step on random uint8 images: images/s from the median step time over
+``--steps`` timed calls after ``--warmup`` untimed ones, every call
+synchronised with ``jax.block_until_ready``. ``compile_s`` is the trace +
+lower + compile time (the first call's extra cost). Memory:
+``peak_memory_bytes`` is the device's ``peak_bytes_in_use`` where the device
+reports it (GPU) and otherwise XLA's compiled memory analysis of the train
+step (arguments + outputs + temporaries - donated aliases), named in
+``peak_memory_source``; ``peak_rss_bytes`` is the process's peak resident
+set (``ru_maxrss``), which also holds the runtime, the compiler and every
+earlier row of the same invocation (run one model per invocation to read it).
+
+Routing rows time ``routing.dynamic_routing`` / ``routing.em_routing`` alone,
+forward and forward + backward, against ``capsjax.flops``'s analytical counts
+and XLA's ``cost_analysis``; ``floor_s`` = max(flops / peak, bytes /
+bandwidth), ``fraction_of_floor`` = floor_s / measured_s (1.0 is the
+roofline). Peaks: the datasheet table in ``capsjax.flops`` for known GPUs;
+on a CPU a float32 matmul and a large elementwise copy are timed at startup
+(or pass --peak_gflops / --bandwidth_gbs).
+
+``--dtype=bfloat16`` measures a mixed-precision step: float32 master
+parameters and optimiser, bfloat16 copies of the parameters and images for
+the forward and backward pass (routing keeps its statistics in float32).
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import functools
+import importlib
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app
+from absl import flags
+from absl import logging
+from flax import nnx
+
+from capsjax import data as data_lib
+from capsjax import flops as flops_lib
+from capsjax import models
+from capsjax import routing
+from capsjax import train_dynamic
+from capsjax import train_em
+from capsjax import train_lib
+from experiments.configs import common
+from experiments.configs import matrix_capsnet_mnist
+
+_MODEL = flags.DEFINE_string(
+    'model', 'capsnet_mnist:smoke',
+    'Registry name (capsnet, baseline_cnn, matrix_capsnet, two_digit_baseline, '
+    'two_digit_capsnet) or config FILE[:VARIANT] from experiments/configs.')
+_BATCH_SIZE = flags.DEFINE_integer(
+    'batch_size', 0, 'Batch size (0: the config\'s; 32 for --routing_only).')
+_STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps (median reported).')
+_WARMUP = flags.DEFINE_integer(
+    'warmup', 1, 'Untimed steps after compilation, before the timed ones.')
+_DTYPE = flags.DEFINE_enum(
+    'dtype', 'float32', ['float32', 'bfloat16'],
+    'Compute dtype of parameters and images (bfloat16: mixed precision).')
+_OUTPUT = flags.DEFINE_string(
+    'output', '', 'JSON file for the rows ({"rows": [...], ...}); "" for none.')
+_MARKDOWN = flags.DEFINE_string(
+    'markdown', '', 'Also write the markdown tables to this file.')
+_ROUTING_ONLY = flags.DEFINE_bool(
+    'routing_only', False, 'Benchmark the routing functions alone, no model.')
+_ROUTING_CASES = flags.DEFINE_list(
+    'routing_cases', ['dynamic_digitcaps', 'em_convcaps1', 'em_class'],
+    'Routing cases for --routing_only (see ROUTING_CASES).')
+_NUM_ITERATIONS = flags.DEFINE_integer(
+    'num_iterations', 3, 'Routing iterations of the --routing_only cases.')
+_SWEEP = flags.DEFINE_string(
+    'sweep', '', 'KEY:V1,V2,...: one row per value. KEY is batch_size, '
+    'image_size (any model with an input_shape option, or the two-digit '
+    'models) or a model option such as num_iterations.')
+_MODEL_OPTIONS = flags.DEFINE_multi_string(
+    'model_option', [], 'KEY=VALUE model option override, repeatable (e.g. '
+    'remat=True, votes_dtype=bfloat16).')
+_IMAGE_SIZE = flags.DEFINE_integer(
+    'image_size', 0, 'Square input side (0: the model\'s default).')
+_COMPILE_ONLY = flags.DEFINE_bool(
+    'compile_only', False, 'Compile the steps and report XLA\'s memory and '
+    'cost analysis without running them (for models too slow to run).')
+_PEAK_GFLOPS = flags.DEFINE_float(
+    'peak_gflops', 0.0, 'Peak float32 GFLOP/s for routing floors on a CPU '
+    '(0: time a 2048^3 matmul at startup).')
+_BANDWIDTH_GBS = flags.DEFINE_float(
+    'bandwidth_gbs', 0.0, 'Memory bandwidth GB/s for routing floors on a CPU '
+    '(0: time a 256 MB elementwise copy at startup).')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of parameters and inputs.')
+
+# Routing shapes of the paper models. (kind, votes shape given B)
+ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
+    # CapsNet DigitCaps on 28x28 MNIST: 6x6x32 primary capsules -> 10 x 16-D.
+    'dynamic_digitcaps': ('dynamic', lambda b: (b, 1152, 10, 16)),
+    # ConvCaps1 of the smallNORB model (A=B=C=D=32): a 6x6 grid of 3x3x32 =
+    # 288 children per window, 32 parent types, 4x4 poses.
+    'em_convcaps1': ('em', lambda b: (b, 6, 6, 288, 32, 16)),
+    # Class capsules of that model: 4x4 grid x 32 types = 512 -> 5 classes.
+    'em_class': ('em', lambda b: (b, 512, 5, 16)),
+}
+# smallNORB is stored at 48x48 (capsjax.data.smallnorb); steps crop it to 32.
+_SMALLNORB_STORED_SIZE = 48
+_DEFAULT_IMAGE_SIZE = 28  # models without an input_shape (any size)
+_ROUTING_BATCH_SIZE = 32
+
+
+# ----------------------------------------------------------------------------
+# Configs.
+
+
+def resolve_config(spec: str) -> ml_collections.ConfigDict:
+  """A training config from a registry name or ``FILE[:VARIANT]``."""
+  if spec in models.list_models():
+    config = common.base_config()
+    if models.MODEL_FAMILY[spec] == 'em':
+      config = matrix_capsnet_mnist.em_defaults(config)
+    config.model = spec
+    config.reconstruction_weight = 0.0005  # only read by models with a decoder
+    return config
+  name, _, variant = spec.partition(':')
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs',
+                      f'{name}.py')
+  if not name.isidentifier() or not os.path.exists(path):
+    raise ValueError(
+        f'--model={spec!r} is neither a registry name '
+        f'({", ".join(models.list_models())}) nor a config in '
+        f'experiments/configs (e.g. capsnet_mnist:smoke).')
+  return importlib.import_module(f'experiments.configs.{name}').get_config(
+      variant)
+
+
+def parse_value(text: str) -> Any:
+  """'3' -> 3, 'True' -> True, '(28, 28, 1)' -> tuple, 'bfloat16' -> str."""
+  lowered = {'true': True, 'false': False, 'none': None}
+  if text.lower() in lowered:
+    return lowered[text.lower()]
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def configure(spec: str, *, batch_size: int = 0, image_size: int = 0,
+              options: dict[str, Any] | None = None
+              ) -> ml_collections.ConfigDict:
+  """``resolve_config`` with the batch size, image size and options set."""
+  config = resolve_config(spec)
+  if batch_size:
+    config.batch_size = batch_size
+  for key, value in (options or {}).items():
+    config.model_options[key] = value
+  if image_size:
+    defaults = models.model_options(config.model)
+    if config.dataset == 'smallnorb':
+      raise ValueError('image_size cannot change smallNORB inputs (48x48 '
+                       'stored, 32x32 crops).')
+    if 'input_shape' in defaults:
+      channels = tuple(config.model_options.get(
+          'input_shape', defaults['input_shape']))[2]
+      config.model_options.input_shape = (image_size, image_size, channels)
+    else:
+      config.image_size = image_size
+  return config
+
+
+def image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+  """Shape [H, W, C] of the uint8 images the train step receives."""
+  options = models.model_options(config.model) | train_lib.model_options(config)
+  if 'input_shape' in options:
+    height, width, channels = options['input_shape']
+  else:
+    size = config.get('image_size') or _DEFAULT_IMAGE_SIZE
+    height, width, channels = size, size, options['input_channels']
+  if config.dataset == 'smallnorb':
+    height = width = _SMALLNORB_STORED_SIZE
+  return height, width, channels
+
+
+def num_classes(config: ml_collections.ConfigDict) -> int:
+  options = models.model_options(config.model) | train_lib.model_options(config)
+  return options['num_classes']
+
+
+# ----------------------------------------------------------------------------
+# Steps.
+
+
+def _cast_floats(tree, dtype):
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+      else x, tree)
+
+
+def mixed_precision_steps(config: ml_collections.ConfigDict, optimizer,
+                          dtype) -> train_lib.FamilySteps:
+  """Train/eval steps computing in ``dtype`` with float32 master parameters.
+
+  The family's own preprocessing and loss (without EM's weight decay, a
+  negligible term). Gradients are taken with respect to the low-precision
+  parameter copies and cast to float32 for the update, which is what
+  differentiating through the cast gives.
+  """
+  if models.MODEL_FAMILY[config.model] == 'em':
+    preprocess = lambda images, key: train_em.preprocess(config, images, key)
+    loss_of = lambda outputs, images, labels, step: train_em.em_loss(
+        outputs['activations'], labels, step, config)
+  else:
+    preprocess = lambda images, key: (
+        data_lib.to_float(images) if key is None
+        else train_dynamic.preprocess_train(config, key, images))
+    loss_of = lambda outputs, images, labels, step: train_dynamic.dynamic_loss(
+        outputs, images, labels, config)[0]
+
+  def train_step(graphdef, state, images, labels, key):
+    images = preprocess(images, key)
+    # d loss / d params32 = float32(d loss / d params16): the gradient of the
+    # cast, taken on the low-precision model as train_dynamic does (merging
+    # outside the gradient keeps dropout's RNG counters on one trace level).
+    model = nnx.merge(graphdef, _cast_floats(state.params, dtype),
+                      state.model_state)
+
+    def objective(model):
+      outputs = model(images.astype(dtype), labels, train=True)
+      outputs = _cast_floats(outputs, jnp.float32)
+      return jnp.mean(loss_of(outputs, images, labels, state.step))
+
+    loss, grads = nnx.value_and_grad(objective)(model)
+    _, _, model_state = nnx.split(model, nnx.Param, ...)
+    state, grad_norm = train_lib.apply_gradients(
+        state, _cast_floats(grads, jnp.float32), model_state, optimizer, loss)
+    return state, {'loss': loss, 'grad_norm': grad_norm}
+
+  def eval_step(graphdef, params, model_state, images, labels, mask):
+    images = preprocess(images, None)
+    model = nnx.merge(graphdef, _cast_floats(params, dtype), model_state)
+    outputs = _cast_floats(model(images.astype(dtype)), jnp.float32)
+    loss = loss_of(outputs, images, labels, jnp.asarray(10**9))
+    scores = train_dynamic.class_scores(outputs)
+    correct = jnp.argmax(scores, -1) == labels
+    return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
+            'count': jnp.sum(mask)}
+
+  return train_lib.FamilySteps(train_step, eval_step)
+
+
+def make_steps(config: ml_collections.ConfigDict, optimizer, dtype: str
+               ) -> train_lib.FamilySteps:
+  if dtype == 'bfloat16':
+    return mixed_precision_steps(config, optimizer, jnp.bfloat16)
+  family = models.MODEL_FAMILY[config.model]
+  module = train_em if family == 'em' else train_dynamic
+  return module.make_steps(config, optimizer)
+
+
+# ----------------------------------------------------------------------------
+# Measurements.
+
+
+def _median_seconds(call: Callable[[], Any], warmup: int, steps: int
+                    ) -> float:
+  """Median wall time of ``call()`` (synchronised) over ``steps`` calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(call())
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _compile(jitted, *args) -> tuple[Any, float]:
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+  """XLA's buffer sizes of a compiled step; total = args + outputs + temp - aliases."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+           + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  return {'total': int(total), 'temp': int(stats.temp_size_in_bytes),
+          'argument': int(stats.argument_size_in_bytes),
+          'output': int(stats.output_size_in_bytes),
+          'alias': int(stats.alias_size_in_bytes)}
+
+
+def xla_cost(compiled) -> dict[str, float | None]:
+  """XLA's 'flops', 'transcendentals', 'bytes accessed' (None if missing)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # some backends do not implement it
+    cost = None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  cost = cost or {}
+  get = lambda key: float(cost[key]) if key in cost else None
+  return {'flops': get('flops'), 'transcendentals': get('transcendentals'),
+          'bytes': get('bytes accessed')}
+
+
+def device_peak_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  if not stats or 'peak_bytes_in_use' not in stats:
+    return None
+  return int(stats['peak_bytes_in_use'])
+
+
+def peak_rss_bytes() -> int:
+  # ru_maxrss is KiB on Linux, bytes on macOS.
+  scale = 1 if sys.platform == 'darwin' else 1024
+  return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, Any]:
+  device = jax.devices()[0]
+  return {
+      'device': f'{device.platform}:{device.device_kind}',
+      'num_devices': jax.device_count(),
+      'cpu': cpu_model(),
+      'cpu_count': os.cpu_count(),
+      'jax_version': jax.__version__,
+      'flax_version': flax.__version__,
+      'python': platform.python_version(),
+      'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
+  }
+
+
+def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
+                    steps: int = 5, warmup: int = 1, dtype: str = 'float32',
+                    compile_only: bool = False, seed: int = 0
+                    ) -> dict[str, Any]:
+  """One row: train/eval throughput, compile time and memory of a config."""
+  model = train_lib.create_model(config, seed=seed)
+  num_params = models.count_params(model)
+  optimizer = train_lib.make_optimizer(config)
+  graphdef, state = train_lib.init_train_state(model, optimizer)
+  del model
+  family_steps = make_steps(config, optimizer, dtype)
+  batch = config.batch_size
+  shape = image_shape(config)
+  rng = np.random.default_rng(seed)
+  images = jnp.asarray(rng.integers(0, 256, (batch,) + shape, np.uint8))
+  labels = jnp.asarray(rng.integers(0, num_classes(config), batch, np.int32))
+  mask = jnp.ones((batch,), jnp.float32)
+  data_key = jax.random.PRNGKey(seed + 2)
+
+  train = jax.jit(functools.partial(family_steps.train_step, graphdef),
+                  donate_argnums=0)
+  evaluate = jax.jit(functools.partial(family_steps.eval_step, graphdef))
+  train_compiled, compile_s = _compile(train, state, images, labels, data_key)
+  eval_compiled, eval_compile_s = _compile(
+      evaluate, state.params, state.model_state, images, labels, mask)
+  train_memory = memory_analysis(train_compiled)
+  eval_memory = memory_analysis(eval_compiled)
+  train_cost = xla_cost(train_compiled)
+
+  row: dict[str, Any] = {
+      'model': name or config.model,
+      'model_name': config.model,
+      'batch_size': batch,
+      'image_shape': list(shape),
+      'model_options': {k: str(v) for k, v in
+                        train_lib.model_options(config).items()},
+      'dtype': dtype,
+      'num_params': num_params,
+      'compile_s': compile_s,
+      'eval_compile_s': eval_compile_s,
+      'compiled_train_bytes': train_memory.get('total'),
+      'compiled_train_temp_bytes': train_memory.get('temp'),
+      'compiled_eval_bytes': eval_memory.get('total'),
+      'train_flops_xla': train_cost['flops'],
+      'steps': 0 if compile_only else steps,
+      'warmup': 0 if compile_only else warmup,
+      'train_images_per_s': None,
+      'eval_images_per_s': None,
+  }
+  if not compile_only:
+    step_count = [0]
+
+    def train_call():
+      nonlocal state
+      key = jax.random.fold_in(data_key, step_count[0])
+      step_count[0] += 1
+      state, metrics = train_compiled(state, images, labels, key)
+      return state, metrics
+
+    train_s = _median_seconds(train_call, warmup, steps)
+    eval_s = _median_seconds(
+        lambda: eval_compiled(state.params, state.model_state, images, labels,
+                              mask), warmup, steps)
+    row.update(train_step_s=train_s, eval_step_s=eval_s,
+               train_images_per_s=batch / train_s,
+               eval_images_per_s=batch / eval_s)
+    if train_cost['flops']:
+      row['train_gflops_per_s_xla'] = train_cost['flops'] / train_s / 1e9
+  device_peak = device_peak_bytes()
+  if device_peak is not None:
+    row['peak_memory_bytes'] = device_peak
+    row['peak_memory_source'] = 'device peak_bytes_in_use'
+  else:
+    row['peak_memory_bytes'] = max(train_memory.get('total', 0),
+                                   eval_memory.get('total', 0)) or None
+    row['peak_memory_source'] = 'xla compiled memory_analysis (train step)'
+  row['peak_rss_bytes'] = peak_rss_bytes()
+  return row | environment()
+
+
+# ----------------------------------------------------------------------------
+# Routing alone.
+
+
+def measure_cpu_peaks(repeats: int = 5) -> tuple[float, float]:
+  """(flop/s, bytes/s): best of a float32 2048^3 matmul, a 256 MB copy."""
+  n = 2048
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  jax.block_until_ready(matmul(a, a))
+  best = min(_median_seconds(lambda: matmul(a, a), 0, 1)
+             for _ in range(repeats))
+  flop_rate = 2 * n**3 / best
+  # In place (donated): a fresh 256 MB output per call would time page faults.
+  copy = jax.jit(lambda v: v * 0.5 + 1.0, donate_argnums=0)
+  x = [copy(jnp.ones((64 * 2**20,), jnp.float32))]
+  nbytes = x[0].nbytes
+
+  def step():
+    x[0] = copy(x[0])
+    return x[0]
+
+  jax.block_until_ready(step())
+  best = min(_median_seconds(step, 0, 1) for _ in range(repeats))
+  return flop_rate, 2 * nbytes / best  # read and written once
+
+
+def routing_peaks(peak_gflops: float = 0.0, bandwidth_gbs: float = 0.0
+                  ) -> dict[str, Any]:
+  """Peak float32 flop/s and bandwidth for the routing floors, and their source."""
+  peak = flops_lib.device_peak(jax.devices()[0].device_kind)
+  if peak is not None:
+    return {'peak_flops': peak.float32_flops, 'bandwidth': peak.bandwidth,
+            'peak_source': 'datasheet (capsjax.flops.DEVICE_PEAKS)'}
+  measured_flops = measured_bandwidth = None
+  if not peak_gflops or not bandwidth_gbs:
+    measured_flops, measured_bandwidth = measure_cpu_peaks()
+  flop_rate = peak_gflops * 1e9 if peak_gflops else measured_flops
+  bandwidth = bandwidth_gbs * 1e9 if bandwidth_gbs else measured_bandwidth
+  source = ('flags' if peak_gflops and bandwidth_gbs else
+            'measured: float32 2048^3 matmul, 256 MB elementwise copy')
+  return {'peak_flops': flop_rate, 'bandwidth': bandwidth,
+          'peak_source': source}
+
+
+def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
+                      dtype) -> tuple[Callable, Callable, tuple, Any]:
+  """(forward, forward+backward, args, analytic cost fn) of a routing case."""
+  key_v, key_a, key_b = jax.random.split(jax.random.PRNGKey(0), 3)
+  votes = jax.random.normal(key_v, shape, jnp.float32).astype(dtype)
+  num_out, dim = shape[-2], shape[-1]
+  if kind == 'dynamic':
+    bias = 0.1 * jax.random.normal(key_b, (num_out, dim), jnp.float32)
+    forward = lambda v, b: routing.dynamic_routing(v, num_iterations, bias=b)
+    loss = lambda v, b: jnp.sum(forward(v, b)[0].astype(jnp.float32))
+    backward = jax.grad(loss)
+    cost = functools.partial(flops_lib.dynamic_routing_cost, shape,
+                             num_iterations, bias=True,
+                             dtype_bytes=jnp.dtype(dtype).itemsize)
+    return forward, backward, (votes, bias), cost
+  activations = jax.random.uniform(key_a, shape[:-2], jnp.float32)
+  betas = jnp.zeros((num_out,), jnp.float32)
+  forward = lambda v, a: routing.em_routing(v, a, betas, betas,
+                                            num_iterations)
+  loss = lambda v, a: sum(jnp.sum(x.astype(jnp.float32))
+                          for x in forward(v, a)[:2])
+  backward = jax.grad(loss, argnums=(0, 1))
+  cost = functools.partial(flops_lib.em_routing_cost, shape, num_iterations,
+                           dtype_bytes=jnp.dtype(dtype).itemsize)
+  return forward, backward, (votes, activations), cost
+
+
+def benchmark_routing(case: str, *, batch_size: int, num_iterations: int = 3,
+                      dtype: str = 'float32', steps: int = 5, warmup: int = 1,
+                      peaks: dict[str, Any]) -> list[dict[str, Any]]:
+  """Rows for the forward and the forward+backward pass of ``case``."""
+  if case not in ROUTING_CASES:
+    raise ValueError(f'unknown routing case {case!r}; known: '
+                     f'{", ".join(ROUTING_CASES)}.')
+  kind, shape_of = ROUTING_CASES[case]
+  shape = shape_of(batch_size)
+  forward, backward, args, cost_of = routing_functions(
+      kind, shape, num_iterations, jnp.dtype(dtype))
+  rows = []
+  for pass_name, fn in (('forward', forward), ('forward_backward', backward)):
+    compiled, compile_s = _compile(jax.jit(fn), *args)
+    measured = _median_seconds(lambda c=compiled: c(*args), warmup, steps)
+    cost = cost_of(backward=pass_name == 'forward_backward')
+    floor = flops_lib.roofline_seconds(cost, peaks['peak_flops'],
+                                       peaks['bandwidth'])
+    xla = xla_cost(compiled)
+    rows.append({
+        'model': f'routing/{case}', 'routing': kind, 'pass': pass_name,
+        'shape': list(shape), 'batch_size': batch_size,
+        'num_iterations': num_iterations, 'dtype': dtype,
+        'flops_analytic': cost.flops,
+        'transcendentals_analytic': cost.transcendentals,
+        'bytes_analytic': cost.bytes,
+        'streaming_bytes_analytic': cost.streaming_bytes,
+        'flops_xla': xla['flops'], 'transcendentals_xla': xla['transcendentals'],
+        'bytes_xla': xla['bytes'],
+        'peak_flops': peaks['peak_flops'], 'bandwidth': peaks['bandwidth'],
+        'peak_source': peaks['peak_source'],
+        'floor_s': floor, 'measured_s': measured,
+        'fraction_of_floor': floor / measured,
+        'bound': ('compute' if (cost.flops + cost.transcendentals)
+                  / peaks['peak_flops'] >= cost.bytes / peaks['bandwidth']
+                  else 'memory'),
+        'achieved_gflops_per_s': cost.flops / measured / 1e9,
+        'images_per_s': batch_size / measured,
+        'compile_s': compile_s,
+        'compiled_bytes': memory_analysis(compiled).get('total'),
+        'steps': steps, 'warmup': warmup,
+        'peak_rss_bytes': peak_rss_bytes(),
+    } | environment())
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Reports.
+
+
+def _fmt(value, spec: str = '.3g') -> str:
+  if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    return '-'
+  return format(value, spec)
+
+
+def _gib(value) -> str:
+  return '-' if value is None else f'{value / 2**30:.2f}'
+
+
+def markdown_tables(rows: list[dict[str, Any]]) -> str:
+  """Markdown tables of model rows and routing rows."""
+  lines = []
+  model_rows = [r for r in rows if 'routing' not in r]
+  routing_rows = [r for r in rows if 'routing' in r]
+  if model_rows:
+    lines += [
+        '| model | batch | dtype | image | params | train img/s | eval img/s '
+        '| compile s (train / eval) | peak memory GiB (source) | peak RSS GiB |',
+        '|---|---|---|---|---|---|---|---|---|---|']
+    for r in model_rows:
+      lines.append(
+          f"| {r.get('label', r['model'])} | {r['batch_size']} | {r['dtype']} | "
+          f"{'x'.join(map(str, r['image_shape']))} | {r['num_params']:,} | "
+          f"{_fmt(r['train_images_per_s'], '.1f')} | "
+          f"{_fmt(r['eval_images_per_s'], '.1f')} | "
+          f"{r['compile_s']:.1f} / {r['eval_compile_s']:.1f} | "
+          f"{_gib(r['peak_memory_bytes'])} "
+          f"({'device' if r['peak_memory_source'].startswith('device') else 'XLA'})"
+          f" | {_gib(r['peak_rss_bytes'])} |")
+  if routing_rows:
+    if lines:
+      lines.append('')
+    lines += [
+        '| routing | pass | votes shape | dtype | GFLOP analytic / XLA '
+        '| MB analytic / XLA | floor ms | measured ms | fraction of floor |',
+        '|---|---|---|---|---|---|---|---|---|']
+    for r in routing_rows:
+      lines.append(
+          f"| {r['model'].removeprefix('routing/')} (T={r['num_iterations']}) "
+          f"| {r['pass']} | {'x'.join(map(str, r['shape']))} | {r['dtype']} | "
+          f"{r['flops_analytic'] / 1e9:.3g} / "
+          f"{_fmt(r['flops_xla'] and r['flops_xla'] / 1e9)} | "
+          f"{r['bytes_analytic'] / 1e6:.3g} / "
+          f"{_fmt(r['bytes_xla'] and r['bytes_xla'] / 1e6)} | "
+          f"{r['floor_s'] * 1e3:.3g} ({r['bound']}) | "
+          f"{r['measured_s'] * 1e3:.3g} | {r['fraction_of_floor']:.3f} |")
+    r = routing_rows[0]
+    lines += ['', f"Peaks: {r['peak_flops'] / 1e9:.1f} GFLOP/s float32, "
+              f"{r['bandwidth'] / 1e9:.1f} GB/s ({r['peak_source']})."]
+  return '\n'.join(lines) + '\n'
+
+
+def parse_sweep(text: str) -> tuple[str, list[Any]]:
+  """'batch_size:8,16' -> ('batch_size', [8, 16]); '' -> ('', [None])."""
+  if not text:
+    return '', [None]
+  key, sep, values = text.partition(':')
+  if not sep or not key or not values:
+    raise ValueError(f'--sweep must be KEY:V1,V2,..., got {text!r}.')
+  return key, [parse_value(v) for v in values.split(',')]
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+  options = {}
+  for item in items:
+    key, sep, value = item.partition('=')
+    if not sep or not key:
+      raise ValueError(f'--model_option must be KEY=VALUE, got {item!r}.')
+    options[key] = parse_value(value)
+  return options
+
+
+def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
+        dtype: str = 'float32', routing_only: bool = False,
+        routing_cases: list[str] | None = None, num_iterations: int = 3,
+        sweep: str = '', options: dict[str, Any] | None = None,
+        image_size: int = 0, compile_only: bool = False,
+        peak_gflops: float = 0.0, bandwidth_gbs: float = 0.0, seed: int = 0,
+        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+  """All rows of one invocation (the flags as keyword arguments)."""
+  sweep_key, values = parse_sweep(sweep)
+  rows = []
+  if routing_only:
+    if sweep_key not in ('', 'batch_size', 'num_iterations'):
+      raise ValueError('--routing_only sweeps batch_size or num_iterations, '
+                       f'not {sweep_key!r}.')
+    peaks = routing_peaks(peak_gflops, bandwidth_gbs)
+    log(f"peaks: {peaks['peak_flops'] / 1e9:.1f} GFLOP/s, "
+        f"{peaks['bandwidth'] / 1e9:.1f} GB/s ({peaks['peak_source']})")
+    for value in values:
+      setting = {'batch_size': batch_size or _ROUTING_BATCH_SIZE,
+                 'num_iterations': num_iterations}
+      if sweep_key:
+        setting[sweep_key] = value
+      for case in routing_cases or list(ROUTING_CASES):
+        new = benchmark_routing(case, dtype=dtype, steps=steps, warmup=warmup,
+                                peaks=peaks, **setting)
+        for r in new:
+          log(f"{r['model']} {r['pass']} {r['shape']}: analytic "
+              f"{r['flops_analytic'] / 1e9:.4g} GFLOP {r['bytes_analytic'] / 1e6:.4g}"
+              f" MB; XLA {_fmt(r['flops_xla'] and r['flops_xla'] / 1e9, '.4g')} "
+              f"GFLOP {_fmt(r['bytes_xla'] and r['bytes_xla'] / 1e6, '.4g')} MB; "
+              f"floor {r['floor_s'] * 1e3:.3g} ms, measured "
+              f"{r['measured_s'] * 1e3:.3g} ms ({r['fraction_of_floor']:.3f})")
+        rows += new
+    return rows
+  for value in values:
+    setting = {'batch_size': batch_size, 'image_size': image_size,
+               'options': dict(options or {})}
+    if sweep_key in ('batch_size', 'image_size'):
+      setting[sweep_key] = value
+    elif sweep_key:
+      setting['options'][sweep_key] = value
+    config = configure(model, **setting)
+    row = benchmark_model(config, name=model, steps=steps, warmup=warmup,
+                          dtype=dtype, compile_only=compile_only, seed=seed)
+    row['label'] = ' '.join(
+        [model] + [f'{k}={v}' for k, v in (options or {}).items()]
+        + ([f'{sweep_key}={value}'] if sweep_key else []))
+    log(f"{row['label']} batch {row['batch_size']} {dtype}: "
+        f"train {_fmt(row['train_images_per_s'], '.1f')} img/s, eval "
+        f"{_fmt(row['eval_images_per_s'], '.1f')} img/s, compile "
+        f"{row['compile_s']:.1f}+{row['eval_compile_s']:.1f} s, peak memory "
+        f"{_gib(row['peak_memory_bytes'])} GiB ({row['peak_memory_source']}), "
+        f"peak RSS {_gib(row['peak_rss_bytes'])} GiB")
+    rows.append(row)
+  return rows
+
+
+def write_outputs(rows: list[dict[str, Any]], output: str, markdown: str
+                  ) -> str:
+  table = markdown_tables(rows)
+  if output:
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    train_lib.write_json_atomic(output, {
+        'command': ' '.join(['python -m experiments.benchmark'] + sys.argv[1:]),
+        'rows': rows})
+  if markdown:
+    with open(markdown, 'w') as f:
+      f.write(table)
+  return table
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # not the backend probing at INFO
+  try:
+    rows = run(model=_MODEL.value, batch_size=_BATCH_SIZE.value,
+               steps=_STEPS.value, warmup=_WARMUP.value, dtype=_DTYPE.value,
+               routing_only=_ROUTING_ONLY.value,
+               routing_cases=_ROUTING_CASES.value,
+               num_iterations=_NUM_ITERATIONS.value, sweep=_SWEEP.value,
+               options=parse_options(_MODEL_OPTIONS.value),
+               image_size=_IMAGE_SIZE.value, compile_only=_COMPILE_ONLY.value,
+               peak_gflops=_PEAK_GFLOPS.value,
+               bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
+
+
+if __name__ == '__main__':
+  app.run(main)
