@@ -51,6 +51,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -357,9 +358,22 @@ def cpu_model() -> str:
   return platform.processor() or platform.machine()
 
 
+def git_commit() -> str | None:
+  """HEAD of the checkout (uncommitted changes are not recorded)."""
+  try:
+    result = subprocess.run(
+        ['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10,
+        check=False)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return result.stdout.strip() or None
+
+
 def environment() -> dict[str, Any]:
   device = jax.devices()[0]
   return {
+      'git_commit': git_commit(),
       'device': f'{device.platform}:{device.device_kind}',
       'num_devices': jax.device_count(),
       'cpu': cpu_model(),
@@ -444,8 +458,8 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
     row['peak_memory_bytes'] = device_peak
     row['peak_memory_source'] = 'device peak_bytes_in_use'
   else:
-    row['peak_memory_bytes'] = max(train_memory.get('total', 0),
-                                   eval_memory.get('total', 0)) or None
+    row['peak_memory_bytes'] = (train_memory.get('total')
+                                or eval_memory.get('total'))
     row['peak_memory_source'] = 'xla compiled memory_analysis (train step)'
   row['peak_rss_bytes'] = peak_rss_bytes()
   return row | environment()
