@@ -445,9 +445,10 @@ def conv_capsule_routing(
     weights: [K, K, Cin, Cout, P, P]; beta_u, beta_a: [Cout].
     stride: window stride. Routing options as ``routing.em_routing``.
     normalize_across_positions: False routes each window on its own (one
-      em_routing per output position, mapped over [B, H', W']); True normalises each child's assignments over
-      every parent that receives its votes across positions (the authors'
-      released code), via ``votes.conv_parent_normalizer``.
+      em_routing per output position, mapped over [B, H', W']); True
+      normalises each child's assignments over every parent that receives
+      its votes across positions (the authors' released code), via
+      ``votes.conv_parent_normalizer``.
     votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
       routing statistics stay float32. None keeps the poses' dtype.
   Returns:

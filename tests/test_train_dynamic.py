@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from capsjax import train_lib
-from tests import conftest
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
+from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
