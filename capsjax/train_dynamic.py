@@ -77,19 +77,13 @@ def make_steps(config: ml_collections.ConfigDict,
   def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
     images = preprocess_train(config, key, images)
 
-    model = nnx.merge(graphdef, state.params, state.model_state)
-
     def loss_fn(model):
       outputs = model(images, labels, train=True)
       loss, metrics = dynamic_loss(outputs, images, labels, config)
       correct = jnp.argmax(class_scores(outputs), -1) == labels
       return jnp.mean(loss), metrics | {'accuracy': jnp.mean(correct)}
 
-    (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    _, _, model_state = nnx.split(model, nnx.Param, ...)  # advanced RNGs
-    state, grad_norm = train_lib.apply_gradients(state, grads, model_state,
-                                                 optimizer, loss)
-    return state, metrics | {'loss': loss, 'grad_norm': grad_norm}
+    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
     images = data_lib.to_float(images)

@@ -70,21 +70,15 @@ def make_steps(config: ml_collections.ConfigDict,
   def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
     images = preprocess(config, images, key)
 
-    model = nnx.merge(graphdef, state.params, state.model_state)
-
     def loss_fn(model):
       activations = model(images, labels, train=True)['activations']
       loss = jnp.mean(em_loss(activations, labels, state.step, config))
-      params = nnx.state(model, nnx.Param)
-      total = loss + config.weight_decay * l2_penalty(params)
+      total = loss + config.weight_decay * l2_penalty(
+          nnx.state(model, nnx.Param))
       correct = jnp.argmax(activations, -1) == labels
       return total, {'class_loss': loss, 'accuracy': jnp.mean(correct)}
 
-    (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    _, _, model_state = nnx.split(model, nnx.Param, ...)
-    state, grad_norm = train_lib.apply_gradients(state, grads, model_state,
-                                                 optimizer, loss)
-    return state, metrics | {'loss': loss, 'grad_norm': grad_norm}
+    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
     model = nnx.merge(graphdef, params, model_state)

@@ -124,6 +124,22 @@ def apply_gradients(state: TrainState, grads, model_state,
   return new_state, grad_norm
 
 
+def gradient_step(graphdef: nnx.GraphDef, state: TrainState,
+                  optimizer: optax.GradientTransformation,
+                  loss_fn: Callable[[nnx.Module], tuple[jax.Array, dict]]
+                  ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimiser step on ``loss_fn(model) -> (scalar loss, metrics)``.
+
+  The model's non-parameter state (dropout RNG counters) advances with it.
+  """
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  _, _, model_state = nnx.split(model, nnx.Param, ...)
+  state, grad_norm = apply_gradients(state, grads, model_state, optimizer,
+                                     loss)
+  return state, metrics | {'loss': loss, 'grad_norm': grad_norm}
+
+
 def count_params(params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
@@ -538,17 +554,28 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   return summary
 
 
+def read_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a training run saved in ``workdir/config.json``."""
+  config_path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(
+        f'{config_path} not found: {workdir} is not a capsjax workdir.')
+  with open(config_path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def load_trained_model(workdir: str, which: str = 'best') -> nnx.Module:
   """Rebuild a trained model from ``workdir`` (its config.json and checkpoint).
 
   ``which``: 'best' (selected on validation) or 'latest'.
   """
-  config_path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(
-        f'{config_path} not found: {workdir} is not a capsjax workdir.')
-  config = ml_collections.ConfigDict(json.load(open(config_path)))
-  model = create_model(config)
+  config = read_workdir_config(workdir)
+  try:
+    model = create_model(config)
+  except (AttributeError, KeyError) as e:
+    key = str(e).strip('"\'')
+    raise ValueError(f'{os.path.join(workdir, "config.json")} lacks the key '
+                     f'{key!r}: not a complete capsjax config.') from e
   graphdef, state = init_train_state(model, make_optimizer(config))
   directory = os.path.join(workdir, 'best' if which == 'best' else
                            'checkpoints')

@@ -13,7 +13,6 @@ test images of the dataset it was trained on, then writes
 into --output_dir (default WORKDIR/figures) and prints their paths.
 """
 
-import json
 import os
 import sys
 
@@ -46,16 +45,6 @@ _WHICH = flags.DEFINE_enum(
     "validation) or 'latest'.")
 
 
-def read_config(workdir: str) -> dict:
-  """WORKDIR/config.json as a dict (FileNotFoundError if absent)."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f'{path} not found: {workdir} is not a capsjax workdir.')
-  with open(path) as f:
-    return json.load(f)
-
-
 def test_split(config: dict, data_dir: str | None) -> data_lib.Split:
   """The test split of the dataset the run in ``config`` trained on."""
   data_dir = data_dir or config.get('data_dir') or None
@@ -86,15 +75,6 @@ def write_figures(model: nnx.Module, test: data_lib.Split, output_dir: str,
   return paths
 
 
-def load_model(workdir: str, which: str):
-  try:
-    return train_lib.load_trained_model(workdir, which=which)
-  except (AttributeError, KeyError) as e:
-    key = str(e).strip('"\'')
-    raise ValueError(f'{os.path.join(workdir, "config.json")} lacks the key '
-                     f'{key!r}: not a complete capsjax config.') from e
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -102,11 +82,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   workdir = _WORKDIR.value
   try:
-    config = read_config(workdir)
+    config = train_lib.read_workdir_config(workdir)
     if config.get('model') != 'capsnet':
       raise ValueError(f"{workdir} holds a {config.get('model')!r} model; "
                        "these figures need a 'capsnet' with a decoder.")
-    model = load_model(workdir, _WHICH.value)
+    model = train_lib.load_trained_model(workdir, _WHICH.value)
     test = test_split(config, _DATA_DIR.value)
     output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
     paths = write_figures(model, test, output_dir, _NUM_IMAGES.value,

@@ -10,7 +10,6 @@ weighted by its activation. The picture goes to --output_dir (default
 WORKDIR/figures)/routing.png, whose path is printed.
 """
 
-import json
 import os
 import sys
 
@@ -42,15 +41,6 @@ _WHICH = flags.DEFINE_enum(
 _ROUTED_MODELS = ('capsnet', 'matrix_capsnet')
 
 
-def read_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f'{path} not found: {workdir} is not a capsjax workdir.')
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
-
-
 def load_test_split(config: ml_collections.ConfigDict, data_dir: str | None
                     ) -> data_lib.Split:
   """The test split the run in ``config`` was evaluated on."""
@@ -70,15 +60,6 @@ def model_input(config: ml_collections.ConfigDict, images):
   return data_lib.to_float(images)
 
 
-def load_model(workdir: str, which: str):
-  try:
-    return train_lib.load_trained_model(workdir, which=which)
-  except (AttributeError, KeyError) as e:
-    key = str(e).strip('"\'')
-    raise ValueError(f'{os.path.join(workdir, "config.json")} lacks the key '
-                     f'{key!r}: not a complete capsjax config.') from e
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -86,11 +67,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   workdir = _WORKDIR.value
   try:
-    config = read_config(workdir)
+    config = train_lib.read_workdir_config(workdir)
     if config.model not in _ROUTED_MODELS:
       raise ValueError(f'{workdir} holds a {config.model!r} model, which does '
                        f'not route; expected one of {_ROUTED_MODELS}.')
-    model = load_model(workdir, _WHICH.value)
+    model = train_lib.load_trained_model(workdir, _WHICH.value)
     test = load_test_split(config, _DATA_DIR.value)
     index = _INDEX.value
     if index >= len(test.labels):
