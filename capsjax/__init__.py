@@ -1,5 +1,10 @@
 """capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing)."""
 
+from capsjax.losses import cross_entropy_loss
+from capsjax.losses import margin_loss
+from capsjax.losses import reconstruction_loss
+from capsjax.losses import spread_loss
+from capsjax.losses import spread_loss_margin
 from capsjax.routing import coupling_coefficients
 from capsjax.routing import dynamic_routing
 from capsjax.routing import em_routing
@@ -20,12 +25,17 @@ __all__ = (
     'conv_parent_normalizer',
     'coordinate_addition',
     'coupling_coefficients',
+    'cross_entropy_loss',
     'dynamic_routing',
     'em_routing',
     'inverse_temperature_schedule',
+    'margin_loss',
     'matrix_votes',
+    'reconstruction_loss',
     'safe_norm',
     'shared_vector_votes',
+    'spread_loss',
+    'spread_loss_margin',
     'squash',
     'vector_votes',
 )
