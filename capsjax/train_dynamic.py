@@ -60,22 +60,13 @@ def dynamic_loss(outputs: dict[str, jax.Array], images: jax.Array,
   return loss, metrics
 
 
-def preprocess_train(config: ml_collections.ConfigDict, key: jax.Array,
-                     images: jax.Array) -> jax.Array:
-  """uint8 [B, H, W, C] -> float32 in [0, 1], randomly shifted, on device."""
-  images = data_lib.to_float(images)
-  if config.max_shift:
-    images = data_lib.random_shift(key, images, config.max_shift)
-  return images
-
-
 def make_steps(config: ml_collections.ConfigDict,
                optimizer: optax.GradientTransformation
                ) -> train_lib.FamilySteps:
   """The jittable train and eval steps of a dynamic-routing model."""
 
   def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
-    images = preprocess_train(config, key, images)
+    images = train_lib.digit_inputs(images, key, config.max_shift)
 
     def loss_fn(model):
       outputs = model(images, labels, train=True)
@@ -86,7 +77,7 @@ def make_steps(config: ml_collections.ConfigDict,
     return train_lib.gradient_step(graphdef, state, optimizer, loss_fn)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
-    images = data_lib.to_float(images)
+    images = train_lib.digit_inputs(images, None, 0)
     model = nnx.merge(graphdef, params, model_state)
     outputs = model(images, train=False)
     loss, _ = dynamic_loss(outputs, images, labels, config)

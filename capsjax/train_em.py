@@ -56,10 +56,7 @@ def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
     if key is None:
       return data_lib.smallnorb_eval_preprocess(images)
     return data_lib.smallnorb_train_preprocess(key, images)
-  images = data_lib.to_float(images)
-  if key is not None and config.max_shift:
-    images = data_lib.random_shift(key, images, config.max_shift)
-  return images
+  return train_lib.digit_inputs(images, key, config.max_shift)
 
 
 def make_steps(config: ml_collections.ConfigDict,

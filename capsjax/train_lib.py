@@ -140,6 +140,19 @@ def gradient_step(graphdef: nnx.GraphDef, state: TrainState,
   return state, metrics | {'loss': loss, 'grad_norm': grad_norm}
 
 
+def digit_inputs(images: jax.Array, key: jax.Array | None, max_shift: int
+                 ) -> jax.Array:
+  """uint8 [B, H, W, C] -> float32 in [0, 1], on device.
+
+  With a key (training) each image is shifted by up to ``max_shift`` pixels
+  with zero padding, the only augmentation of Sabour et al.
+  """
+  images = data_lib.to_float(images)
+  if key is not None and max_shift:
+    images = data_lib.random_shift(key, images, max_shift)
+  return images
+
+
 def count_params(params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 

@@ -67,7 +67,6 @@ from absl import flags
 from absl import logging
 from flax import nnx
 
-from capsjax import data as data_lib
 from capsjax import flops as flops_lib
 from capsjax import models
 from capsjax import routing
@@ -237,9 +236,8 @@ def mixed_precision_steps(config: ml_collections.ConfigDict, optimizer,
     loss_of = lambda outputs, images, labels, step: train_em.em_loss(
         outputs['activations'], labels, step, config)
   else:
-    preprocess = lambda images, key: (
-        data_lib.to_float(images) if key is None
-        else train_dynamic.preprocess_train(config, key, images))
+    preprocess = lambda images, key: train_lib.digit_inputs(
+        images, key, config.max_shift)
     loss_of = lambda outputs, images, labels, step: train_dynamic.dynamic_loss(
         outputs, images, labels, config)[0]
 
