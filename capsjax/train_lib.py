@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import platform
 import subprocess
@@ -35,8 +34,6 @@ from jax.sharding import PartitionSpec
 
 from capsjax import data as data_lib
 from capsjax import models
-
-Batch = dict[str, jax.Array]
 
 
 class TrainingDiverged(RuntimeError):
@@ -598,8 +595,3 @@ def load_trained_model(workdir: str, which: str = 'best') -> nnx.Module:
   state = checkpointer.restore(state)
   checkpointer.close()
   return nnx.merge(graphdef, state.params, state.model_state)
-
-
-def steps_for_epochs(num_epochs: float, num_examples: int, batch_size: int
-                     ) -> int:
-  return int(math.ceil(num_epochs * (num_examples // batch_size)))
