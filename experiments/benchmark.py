@@ -64,7 +64,6 @@ import ml_collections
 import numpy as np
 from absl import app
 from absl import flags
-from absl import logging
 from flax import nnx
 
 from capsjax import flops as flops_lib
@@ -73,6 +72,7 @@ from capsjax import routing
 from capsjax import train_dynamic
 from capsjax import train_em
 from capsjax import train_lib
+from experiments import launcher
 from experiments.configs import common
 from experiments.configs import matrix_capsnet_mnist
 
@@ -729,25 +729,21 @@ def write_outputs(rows: list[dict[str, Any]], output: str, markdown: str
   return table
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # not the backend probing at INFO
-  try:
-    rows = run(model=_MODEL.value, batch_size=_BATCH_SIZE.value,
-               steps=_STEPS.value, warmup=_WARMUP.value, dtype=_DTYPE.value,
-               routing_only=_ROUTING_ONLY.value,
-               routing_cases=_ROUTING_CASES.value,
-               num_iterations=_NUM_ITERATIONS.value, sweep=_SWEEP.value,
-               options=parse_options(_MODEL_OPTIONS.value),
-               image_size=_IMAGE_SIZE.value, compile_only=_COMPILE_ONLY.value,
-               peak_gflops=_PEAK_GFLOPS.value,
-               bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value)
-  except ValueError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+def benchmark() -> None:
+  rows = run(model=_MODEL.value, batch_size=_BATCH_SIZE.value,
+             steps=_STEPS.value, warmup=_WARMUP.value, dtype=_DTYPE.value,
+             routing_only=_ROUTING_ONLY.value,
+             routing_cases=_ROUTING_CASES.value,
+             num_iterations=_NUM_ITERATIONS.value, sweep=_SWEEP.value,
+             options=parse_options(_MODEL_OPTIONS.value),
+             image_size=_IMAGE_SIZE.value, compile_only=_COMPILE_ONLY.value,
+             peak_gflops=_PEAK_GFLOPS.value,
+             bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value)
   print(write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
+
+
+def main(argv):
+  launcher.run_command(argv, benchmark, (ValueError,))
 
 
 if __name__ == '__main__':

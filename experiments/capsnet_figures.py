@@ -14,17 +14,16 @@ into --output_dir (default WORKDIR/figures) and prints their paths.
 """
 
 import os
-import sys
 
 import numpy as np
 from absl import app
 from absl import flags
-from absl import logging
 from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import figures
 from capsjax import train_lib
+from experiments import launcher
 
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Workdir of a trained CapsNet (holds config.json and the '
@@ -75,30 +74,24 @@ def write_figures(model: nnx.Module, test: data_lib.Split, output_dir: str,
   return paths
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+def make_figures() -> None:
   workdir = _WORKDIR.value
-  try:
-    config = train_lib.read_workdir_config(workdir)
-    if config.get('model') != 'capsnet':
-      raise ValueError(f"{workdir} holds a {config.get('model')!r} model; "
-                       "these figures need a 'capsnet' with a decoder.")
-    model = train_lib.load_trained_model(workdir, _WHICH.value)
-    test = test_split(config, _DATA_DIR.value)
-    output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
-    paths = write_figures(model, test, output_dir, _NUM_IMAGES.value,
-                          _PERTURBATION_INDEX.value,
-                          figures.CLASS_NAMES.get(config['dataset']))
-  except (OSError, ValueError, KeyError) as e:
-    if os.environ.get('CAPSJAX_TRACEBACK') == '1':
-      raise
-    print(f'error: {type(e).__name__}: {e}', file=sys.stderr)
-    sys.exit(2)
+  config = train_lib.read_workdir_config(workdir)
+  if config.get('model') != 'capsnet':
+    raise ValueError(f"{workdir} holds a {config.get('model')!r} model; "
+                     "these figures need a 'capsnet' with a decoder.")
+  model = train_lib.load_trained_model(workdir, _WHICH.value)
+  test = test_split(config, _DATA_DIR.value)
+  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
+  paths = write_figures(model, test, output_dir, _NUM_IMAGES.value,
+                        _PERTURBATION_INDEX.value,
+                        figures.CLASS_NAMES.get(config['dataset']))
   for path in paths:
     print(path)
+
+
+def main(argv):
+  launcher.run_command(argv, make_figures, (OSError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

@@ -19,6 +19,28 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           'configs')
 
 
+def run_command(argv: list[str], body: Callable[[], None],
+                errors: tuple[type[BaseException], ...] = (
+                    OSError, ValueError, RuntimeError)) -> None:
+  """What every experiment's ``main`` does around its ``body``.
+
+  Rejects stray arguments, keeps absl's INFO logging (orbax logs every save
+  and restore) off unless -v is given, and turns ``errors`` into one
+  ``error: ...`` line and exit status 2.
+  """
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    body()
+  except errors as e:
+    if os.environ.get('CAPSJAX_TRACEBACK') == '1':
+      raise
+    print(f'error: {type(e).__name__}: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
 def run(train_and_evaluate: Callable, default_config: str) -> None:
   """Define --workdir and --config (default ``configs/<default_config>``), run."""
   workdir = flags.DEFINE_string(
@@ -32,16 +54,6 @@ def run(train_and_evaluate: Callable, default_config: str) -> None:
   flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
 
   def main(argv):
-    if len(argv) > 1:
-      raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if not flags.FLAGS['verbosity'].present:
-      logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    try:
-      train_and_evaluate(config.value, workdir.value)
-    except (OSError, ValueError, RuntimeError) as e:
-      if os.environ.get('CAPSJAX_TRACEBACK') == '1':
-        raise
-      print(f'error: {type(e).__name__}: {e}', file=sys.stderr)
-      sys.exit(2)
+    run_command(argv, lambda: train_and_evaluate(config.value, workdir.value))
 
   app.run(main)

@@ -11,17 +11,16 @@ WORKDIR/figures)/routing.png, whose path is printed.
 """
 
 import os
-import sys
 
 import ml_collections
 from absl import app
 from absl import flags
-from absl import logging
 
 from capsjax import data as data_lib
 from capsjax import figures
 from capsjax import train_em
 from capsjax import train_lib
+from experiments import launcher
 
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, "Workdir of a trained 'capsnet' or 'matrix_capsnet' "
@@ -60,34 +59,28 @@ def model_input(config: ml_collections.ConfigDict, images):
   return data_lib.to_float(images)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+def draw_routing() -> None:
   workdir = _WORKDIR.value
-  try:
-    config = train_lib.read_workdir_config(workdir)
-    if config.model not in _ROUTED_MODELS:
-      raise ValueError(f'{workdir} holds a {config.model!r} model, which does '
-                       f'not route; expected one of {_ROUTED_MODELS}.')
-    model = train_lib.load_trained_model(workdir, _WHICH.value)
-    test = load_test_split(config, _DATA_DIR.value)
-    index = _INDEX.value
-    if index >= len(test.labels):
-      raise ValueError(
-          f'--index {index} is past the {len(test.labels)} test images.')
-    image = model_input(config, test.images[index:index + 1])[0]
-    output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
-    path = os.path.join(output_dir, 'routing.png')
-    figures.routing_figure(model, image, path,
-                           class_names=figures.CLASS_NAMES.get(config.dataset))
-  except (OSError, ValueError, KeyError) as e:
-    if os.environ.get('CAPSJAX_TRACEBACK') == '1':
-      raise
-    print(f'error: {type(e).__name__}: {e}', file=sys.stderr)
-    sys.exit(2)
+  config = train_lib.read_workdir_config(workdir)
+  if config.model not in _ROUTED_MODELS:
+    raise ValueError(f'{workdir} holds a {config.model!r} model, which does '
+                     f'not route; expected one of {_ROUTED_MODELS}.')
+  model = train_lib.load_trained_model(workdir, _WHICH.value)
+  test = load_test_split(config, _DATA_DIR.value)
+  index = _INDEX.value
+  if index >= len(test.labels):
+    raise ValueError(
+        f'--index {index} is past the {len(test.labels)} test images.')
+  image = model_input(config, test.images[index:index + 1])[0]
+  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
+  path = os.path.join(output_dir, 'routing.png')
+  figures.routing_figure(model, image, path,
+                         class_names=figures.CLASS_NAMES.get(config.dataset))
   print(f'test image {index} (label {int(test.labels[index])}): {path}')
+
+
+def main(argv):
+  launcher.run_command(argv, draw_routing, (OSError, ValueError, KeyError))
 
 
 if __name__ == '__main__':
