@@ -84,6 +84,25 @@ def data_error(path: PathLike, problem: str, fix: str = _REDOWNLOAD) -> DataErro
   return DataError(f'{os.fspath(path)}: {problem}. {fix}')
 
 
+def payload_array(data: bytes, header_size: int, dims: tuple[int, ...],
+                  dtype: np.dtype, path: PathLike, fix: str = _REDOWNLOAD
+                  ) -> np.ndarray:
+  """The array after a binary header, checked to fill the file exactly.
+
+  Shared by the IDX and smallNORB readers; ``dtype`` carries the file's byte
+  order and the result is in native order.
+  """
+  expected = math.prod(dims) * dtype.itemsize
+  payload = len(data) - header_size
+  if payload != expected:
+    problem = 'truncated' if payload < expected else 'trailing bytes'
+    raise data_error(
+        path, f'{problem}: dims {dims} of {dtype.name} need {expected} bytes '
+        f'of data, found {payload}', fix)
+  array = np.frombuffer(data, dtype, offset=header_size).reshape(dims)
+  return array.astype(dtype.newbyteorder('='))
+
+
 def read_bytes(path: PathLike) -> bytes:
   """Returns the content of ``path``, gunzipped when it is gzip-compressed.
 
@@ -134,16 +153,7 @@ def parse_idx(data: bytes, path: PathLike = '<bytes>') -> np.ndarray:
         path, f'truncated IDX header: {ndim} dims need {header_size} bytes, '
         f'file has {len(data)}')
   dims = tuple(int(d) for d in np.frombuffer(data, '>u4', ndim, offset=4))
-  dtype = IDX_DTYPES[type_code]
-  expected = math.prod(dims) * dtype.itemsize
-  payload = len(data) - header_size
-  if payload != expected:
-    problem = 'truncated' if payload < expected else 'trailing bytes'
-    raise data_error(
-        path, f'{problem}: dims {dims} of {dtype.name} need {expected} bytes '
-        f'of data, found {payload}')
-  array = np.frombuffer(data, dtype, offset=header_size).reshape(dims)
-  return array.astype(dtype.newbyteorder('='))
+  return payload_array(data, header_size, dims, IDX_DTYPES[type_code], path)
 
 
 def read_idx(path: PathLike) -> np.ndarray:

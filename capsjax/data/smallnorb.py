@@ -40,6 +40,7 @@ from capsjax.data.idx import carve_validation
 from capsjax.data.idx import data_error
 from capsjax.data.idx import import_tfds
 from capsjax.data.idx import not_found_message
+from capsjax.data.idx import payload_array
 from capsjax.data.idx import read_bytes
 from capsjax.data.idx import search_dirs
 
@@ -107,16 +108,8 @@ def parse_norb_matrix(data: bytes, path: PathLike = '<bytes>') -> np.ndarray:
   dims = tuple(int(d) for d in np.frombuffer(data, '<i4', ndim, offset=8))
   if min(dims) < 0:
     raise data_error(path, f'negative size in dims {dims}', _FIX)
-  dtype = MAGIC_TO_DTYPE[magic]
-  expected = math.prod(dims) * dtype.itemsize
-  payload = len(data) - header_size
-  if payload != expected:
-    problem = 'truncated' if payload < expected else 'trailing bytes'
-    raise data_error(
-        path, f'{problem}: dims {dims} of {dtype.name} need {expected} bytes '
-        f'of data, found {payload}', _FIX)
-  array = np.frombuffer(data, dtype, offset=header_size).reshape(dims)
-  return array.astype(dtype.newbyteorder('='))
+  return payload_array(data, header_size, dims, MAGIC_TO_DTYPE[magic], path,
+                       _FIX)
 
 
 def read_norb_matrix(path: PathLike) -> np.ndarray:
