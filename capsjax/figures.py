@@ -553,14 +553,99 @@ def routing_figure(model: nnx.Module, image: ArrayLike,
       f'(coupling coefficients) or a MatrixCapsNet (EM assignments).')
 
 
+def pair_predictions_figure(images: ArrayLike, labels: ArrayLike,
+                            scores: dict[str, ArrayLike],
+                            path: str | os.PathLike | None = None, *,
+                            threshold: float = 0.5, columns: int = 4,
+                            class_names: Sequence[str] | None = None):
+  """Two-digit inputs with each model's two highest scores (Su, seed 004).
+
+  Under each image, one line per model: its two top classes and their
+  scores, green when they are the two true classes and both above
+  ``threshold``, orange when only the classes are right, red otherwise.
+
+  Args:
+    images: [N, H, W, C] inputs in [0, 1] (28x56 pairs).
+    labels: int [N, 2], the true classes.
+    scores: model name -> [N, K] class scores.
+  """
+  images = _as_float_images(images)
+  labels = np.asarray(labels)
+  if images.ndim != 4 or labels.shape != (len(images), 2):
+    raise ValueError(f'images must be [N, H, W, C] and labels [N, 2], got '
+                     f'shapes {images.shape} and {labels.shape}.')
+  scores = {name: np.asarray(s) for name, s in scores.items()}
+  for name, s in scores.items():
+    if s.ndim != 2 or len(s) != len(images):
+      raise ValueError(f'scores of {name!r} must be [{len(images)}, K], got '
+                       f'shape {s.shape}.')
+  columns = max(1, min(columns, len(images)))
+  rows = -(-len(images) // columns)
+  fig = _figure(3.2 * columns, (1.8 + 0.3 * len(scores)) * rows)
+  axes = fig.subplots(rows, columns, squeeze=False)
+  for ax in axes.flat[len(images):]:
+    ax.axis('off')
+  for n, ax in enumerate(axes.flat[:len(images)]):
+    _show_image(ax, images[n])
+    truth = sorted(int(k) for k in labels[n])
+    ax.set_title('true ' + ', '.join(_class_name(k, class_names)
+                                     for k in truth), fontsize=9)
+    for line, (name, s) in enumerate(scores.items()):
+      top = np.argsort(-s[n], kind='stable')[:2]
+      right = sorted(top.tolist()) == truth
+      colour = ('tab:green' if right and s[n, top[1]] > threshold else
+                'tab:orange' if right else _HIGHLIGHT)
+      text = ', '.join(f'{_class_name(int(k), class_names)} ({s[n, k]:.2f})'
+                       for k in top)
+      ax.text(0.5, -0.08 - 0.22 * line, f'{name}: {text}', color=colour,
+              fontsize=8, ha='center', va='top', transform=ax.transAxes)
+  return _save(fig, path)
+
+
+def attack_accuracy_figure(epsilons: Sequence[float],
+                           accuracies: dict[str, dict[str, Sequence[float]]],
+                           path: str | os.PathLike | None = None, *,
+                           title: str | None = None):
+  """Accuracy against the attack budget, one panel per attack, a line per model.
+
+  Args:
+    epsilons: [E] L-infinity budgets.
+    accuracies: attack name -> model name -> [E] accuracies in [0, 1].
+  """
+  epsilons = np.asarray(epsilons, np.float64)
+  if not accuracies:
+    raise ValueError('accuracies holds no attack.')
+  for attack, rows in accuracies.items():
+    for model, values in rows.items():
+      if np.shape(values) != epsilons.shape:
+        raise ValueError(f'{attack}/{model}: {np.shape(values)} accuracies for '
+                         f'{len(epsilons)} epsilons.')
+  fig = _figure(4.2 * len(accuracies), 3.6)
+  axes = fig.subplots(1, len(accuracies), squeeze=False)[0]
+  for ax, (attack, rows) in zip(axes, accuracies.items(), strict=True):
+    for model, values in rows.items():
+      ax.plot(epsilons, 100 * np.asarray(values), marker='o', label=model)
+    ax.set_title(attack.upper())
+    ax.set_xlabel('epsilon (pixels in [0, 1])')
+    ax.set_ylabel('test accuracy (%)')
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  return _save(fig, path)
+
+
 __all__ = (
     'CLASS_NAMES',
     'PERTURBATION_STEPS',
     'assignment_figure',
+    'attack_accuracy_figure',
     'capsnet_routing',
     'coupling_figure',
     'em_class_routing',
     'model_outputs',
+    'pair_predictions_figure',
     'perturbation_grid',
     'perturbed_reconstructions',
     'reconstruction_grid',

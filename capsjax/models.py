@@ -58,13 +58,22 @@ def _check_input_shape(input_shape) -> tuple[int, int, int]:
 
 
 def _check_images(images: ArrayLike, channels: int,
-                  spatial: tuple[int, int] | None = None) -> jax.Array:
+                  spatial: tuple[int, int] | None, dtype) -> jax.Array:
+  """[B, H, W, C] images of the parameters' ``dtype``, or a ValueError."""
   images = jnp.asarray(images)
   if images.ndim != 4 or images.shape[-1] != channels or (
       spatial is not None and images.shape[1:3] != tuple(spatial)):
     expected = (f'[B, {spatial[0]}, {spatial[1]}, {channels}]' if spatial
                 else f'[B, H, W, {channels}]')
     raise ValueError(f'images must be {expected}, got shape {images.shape}.')
+  if images.dtype != dtype:
+    # uint8 pixels would otherwise reach the model as 0..255, and another
+    # float dtype fails deep in the first convolution.
+    hint = ('' if jnp.issubdtype(images.dtype, jnp.floating) else
+            '; capsjax.data.to_float converts uint8')
+    raise ValueError(
+        f'images must be {jnp.dtype(dtype).name} (the dtype of the model\'s '
+        f'parameters), pixels in [0, 1], got {images.dtype}{hint}.')
   return images
 
 
@@ -120,7 +129,16 @@ class CapsNet(nnx.Module):
                decoder_widths: Sequence[int] = (512, 1024),
                conv_impl: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
-    _check_positive_int('num_classes', num_classes)
+    # Named here, not by the layer's own argument names.
+    for name, value in (('num_classes', num_classes),
+                        ('conv1_channels', conv1_channels),
+                        ('conv1_kernel', conv1_kernel),
+                        ('primary_types', primary_types),
+                        ('primary_dim', primary_dim),
+                        ('primary_kernel', primary_kernel),
+                        ('primary_stride', primary_stride),
+                        ('digit_dim', digit_dim)):
+      _check_positive_int(name, value)
     self.input_shape = (height, width, channels)
     self.num_classes = num_classes
     self.conv1 = layers.Conv2D(channels, conv1_channels, conv1_kernel, 1,
@@ -156,9 +174,40 @@ class CapsNet(nnx.Module):
     return jax.nn.one_hot(jnp.argmax(lengths, axis=-1), self.num_classes,
                           dtype=lengths.dtype)
 
+  def reconstruct_digits(self, capsules: jax.Array, classes: ArrayLike
+                         ) -> jax.Array:
+    """Each of T digits decoded from its own capsule alone (MultiMNIST).
+
+    Sabour et al. section 6: with two overlapping digits, the decoder
+    reconstructs each digit from its own DigitCaps output, every other
+    capsule masked; one decoder pass per digit.
+
+    Args:
+      capsules: [B, K, D] DigitCaps outputs.
+      classes: int [B, T], the capsule each reconstruction keeps (the two
+        labels in training; the two longest capsules at test time).
+    Returns:
+      [B, T, H*W*C] in (0, 1): entry t is the decoder applied to the
+      capsules masked to class ``classes[:, t]``.
+    """
+    if self.decoder is None:
+      raise ValueError('this CapsNet has no decoder (reconstruction=False).')
+    classes = jnp.asarray(classes)
+    if (classes.ndim != 2 or classes.shape[0] != capsules.shape[0]
+        or not jnp.issubdtype(classes.dtype, jnp.integer)):
+      raise ValueError(f'classes must be int [B, T] with B = '
+                       f'{capsules.shape[0]}, got {classes.dtype} '
+                       f'{classes.shape}.')
+    b, t = classes.shape
+    mask = jax.nn.one_hot(classes, self.num_classes, dtype=capsules.dtype)
+    masked = capsules[:, None] * mask[..., None]  # [B, T, K, D]
+    decoded = self.decoder(masked.reshape(b * t, -1))
+    return jax.nn.sigmoid(decoded).reshape(b, t, -1)
+
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
-    images = _check_images(images, self.input_shape[2], self.input_shape[:2])
+    images = _check_images(images, self.input_shape[2], self.input_shape[:2],
+                           self.conv1.kernel.dtype)
     features = jax.nn.relu(self.conv1(images))
     primary = self.primary(features)  # [B, I, primary_dim]
     capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
@@ -193,6 +242,7 @@ class BaselineCNN(nnx.Module):
                dropout_rate: float = 0.5, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
     _check_positive_int('num_classes', num_classes)
+    _check_positive_int('kernel_size', kernel_size)
     conv_channels = _check_widths('conv_channels', conv_channels)
     fc_widths = _check_widths('fc_widths', fc_widths)
     if not 0.0 <= dropout_rate < 1.0:
@@ -213,7 +263,8 @@ class BaselineCNN(nnx.Module):
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
     del labels  # No decoder.
-    x = _check_images(images, self.input_shape[2], self.input_shape[:2])
+    x = _check_images(images, self.input_shape[2], self.input_shape[:2],
+                      self.convs[0].kernel.dtype)
     for conv in self.convs:
       x = jax.nn.relu(conv(x))
     x = jax.nn.relu(self.hidden(x.reshape(x.shape[0], -1)))
@@ -240,12 +291,12 @@ class MatrixCapsNet(nnx.Module):
   67,154 for A=64, B=8, C=D=16 (paper "68K").
 
   ``init='paper'`` (the paper prints none): transforms normal std 1/2 =
-  1/sqrt(pose side), beta_u = beta_a = 0. ``init='authors'``: the released
-  code's std 0.3 / beta 0.5 (conv capsules) and std 0.01 / beta_a 1.0,
-  beta_u 2.0 (class capsules). Routing options go to every EM layer;
-  ``class_inverse_temperature`` overrides ``inverse_temperature`` in the class
-  layer (the released code uses final lambda / 4 there:
-  ``routing.inverse_temperature_schedule(T, 0.0025)``).
+  1/sqrt(pose side), or ``transform_std``, beta_u = beta_a = 0.
+  ``init='authors'``: the released code's std 0.3 / beta 0.5 (conv
+  capsules) and std 0.01 / beta_a 1.0, beta_u 2.0 (class capsules). Routing
+  options go to every EM layer; ``class_inverse_temperature`` overrides
+  ``inverse_temperature`` in the class layer (the released code uses final
+  lambda / 4 there: ``routing.inverse_temperature_schedule(T, 0.0025)``).
 
   Returns {'activations': [B, K], 'poses': [B, K, 4, 4]}.
   """
@@ -262,15 +313,27 @@ class MatrixCapsNet(nnx.Module):
                center_momentum: float = 0.0, activation_form: str = 'paper',
                normalize_across_positions: bool = False, remat: bool = False,
                votes_dtype=None, init: str = 'paper',
+               transform_std: float | None = None,
                conv_impl: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
     for name, value in (('num_classes', num_classes), ('A', A), ('B', B),
-                        ('C', C), ('D', D)):
+                        ('C', C), ('D', D), ('conv1_kernel', conv1_kernel),
+                        ('conv1_stride', conv1_stride),
+                        ('caps1_kernel', caps1_kernel),
+                        ('caps1_stride', caps1_stride),
+                        ('caps2_kernel', caps2_kernel),
+                        ('caps2_stride', caps2_stride)):
       _check_positive_int(name, value)
     if init not in ('paper', 'authors'):
       raise ValueError(f"init must be 'paper' or 'authors', got {init!r}.")
-    conv_init = layers.AUTHORS_CONV_INIT if init == 'authors' else {}
-    class_init = layers.AUTHORS_CLASS_INIT if init == 'authors' else {}
+    if transform_std is not None and not transform_std > 0:
+      raise ValueError(f'transform_std must be > 0, got {transform_std!r}.')
+    if init == 'authors' and transform_std is not None:
+      raise ValueError("transform_std applies to init='paper' only; the "
+                       "authors' init fixes its own stds.")
+    plain_init = {'transform_std': transform_std}
+    conv_init = layers.AUTHORS_CONV_INIT if init == 'authors' else plain_init
+    class_init = layers.AUTHORS_CLASS_INIT if init == 'authors' else plain_init
     if class_inverse_temperature is None:
       class_inverse_temperature = inverse_temperature
     self.input_shape = (height, width, channels)
@@ -305,7 +368,8 @@ class MatrixCapsNet(nnx.Module):
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
     del labels, train  # No decoder, no dropout.
-    x = _check_images(images, self.input_shape[2], self.input_shape[:2])
+    x = _check_images(images, self.input_shape[2], self.input_shape[:2],
+                      self.conv1.kernel.dtype)
     x = jax.nn.relu(self.conv1(x))
     poses, acts = self.primary(x)
     poses, acts = self.caps1(poses, acts)
@@ -368,7 +432,8 @@ class TwoDigitBaseline(nnx.Module):
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
     del labels, train
-    x = self.trunk(_check_images(images, self.input_channels))
+    x = self.trunk(_check_images(images, self.input_channels, None,
+                                 self.trunk.convs[0].kernel.dtype))
     return {'scores': jax.nn.sigmoid(self.head(x.mean(axis=(1, 2))))}
 
 
@@ -391,7 +456,10 @@ class TwoDigitCapsNet(nnx.Module):
                accumulate: bool = False, leaky: bool = False,
                squash_constant: float = 0.5, use_bias: bool = False,
                rngs: nnx.Rngs):
-    _check_positive_int('input_channels', input_channels)
+    for name, value in (('input_channels', input_channels),
+                        ('num_classes', num_classes),
+                        ('capsule_dim', capsule_dim)):
+      _check_positive_int(name, value)
     self.input_channels = input_channels
     self.trunk = _SuTrunk(input_channels, trunk_widths, rngs=rngs)
     self.capsules = layers.SharedCapsules(
@@ -402,7 +470,8 @@ class TwoDigitCapsNet(nnx.Module):
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
     del labels, train
-    x = self.trunk(_check_images(images, self.input_channels))
+    x = self.trunk(_check_images(images, self.input_channels, None,
+                                 self.trunk.convs[0].kernel.dtype))
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, h*w, 128]
     capsules, coupling = self.capsules(x)
     return {'scores': _lengths(capsules), 'capsules': capsules,

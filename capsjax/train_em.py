@@ -45,8 +45,8 @@ def em_loss(activations: jax.Array, labels: jax.Array, step: jax.Array,
 
 def l2_penalty(params) -> jax.Array:
   """Sum of squared weights (matrices and kernels; biases and betas exempt)."""
-  return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(params)
-             if x.ndim > 1)
+  return sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+             for x in jax.tree.leaves(params) if x.ndim > 1)
 
 
 def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
@@ -63,23 +63,27 @@ def make_steps(config: ml_collections.ConfigDict,
                optimizer: optax.GradientTransformation
                ) -> train_lib.FamilySteps:
   """The jittable train and eval steps of an EM-routing model."""
+  dtype = train_lib.compute_dtype(config)
 
   def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
     images = preprocess(config, images, key)
 
     def loss_fn(model):
-      activations = model(images, labels, train=True)['activations']
+      activations = train_lib.forward(model, images, dtype, labels,
+                                    train=True)['activations']
       loss = jnp.mean(em_loss(activations, labels, state.step, config))
       total = loss + config.weight_decay * l2_penalty(
           nnx.state(model, nnx.Param))
       correct = jnp.argmax(activations, -1) == labels
       return total, {'class_loss': loss, 'accuracy': jnp.mean(correct)}
 
-    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn)
+    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
-    model = nnx.merge(graphdef, params, model_state)
-    activations = model(preprocess(config, images, None))['activations']
+    model = nnx.merge(graphdef, train_lib.cast_floating(params, dtype),
+                      model_state)
+    activations = train_lib.forward(
+        model, preprocess(config, images, None), dtype)['activations']
     # The loss at the final margin, comparable across steps.
     loss = em_loss(activations, labels, jnp.asarray(10**9), config)
     correct = jnp.argmax(activations, -1) == labels

@@ -9,8 +9,10 @@ and call ``fit``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -121,17 +123,56 @@ def apply_gradients(state: TrainState, grads, model_state,
   return new_state, grad_norm
 
 
+COMPUTE_DTYPES = {'float32': None, 'bfloat16': jnp.bfloat16}
+
+
+def compute_dtype(config: ml_collections.ConfigDict):
+  """``config.compute_dtype`` as a dtype (None: float32, nothing cast)."""
+  name = config.get('compute_dtype', 'float32')
+  if name not in COMPUTE_DTYPES:
+    raise ValueError(f'config.compute_dtype must be one of '
+                     f'{sorted(COMPUTE_DTYPES)}, got {name!r}.')
+  return COMPUTE_DTYPES[name]
+
+
+def cast_floating(tree, dtype):
+  """``tree`` with its floating leaves cast to ``dtype`` (None: unchanged)."""
+  if dtype is None:
+    return tree
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+      else x, tree)
+
+
+def forward(model: nnx.Module, images: jax.Array, dtype, *args, **kwargs
+            ) -> dict[str, jax.Array]:
+  """``model(images, ...)`` in the compute ``dtype``; outputs as float32."""
+  outputs = model(cast_floating(images, dtype), *args, **kwargs)
+  return outputs if dtype is None else cast_floating(outputs, jnp.float32)
+
+
 def gradient_step(graphdef: nnx.GraphDef, state: TrainState,
                   optimizer: optax.GradientTransformation,
-                  loss_fn: Callable[[nnx.Module], tuple[jax.Array, dict]]
-                  ) -> tuple[TrainState, dict[str, jax.Array]]:
+                  loss_fn: Callable[[nnx.Module], tuple[jax.Array, dict]],
+                  dtype=None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimiser step on ``loss_fn(model) -> (scalar loss, metrics)``.
 
-  The model's non-parameter state (dropout RNG counters) advances with it.
+  Mixed precision: with ``dtype`` (e.g. bfloat16) the model runs on a copy of
+  the float32 master parameters cast to it; the gradients and the update stay
+  float32. The model's non-parameter state (dropout RNG counters) advances.
   """
-  model = nnx.merge(graphdef, state.params, state.model_state)
-  (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-  _, _, model_state = nnx.split(model, nnx.Param, ...)
+
+  def loss_of_params(params):
+    # copy=True: fresh Variables of this trace, or dropout could not advance
+    # its RNG counter here (flax TraceContextError).
+    model = nnx.merge(graphdef, cast_floating(params, dtype),
+                      state.model_state, copy=True)
+    loss, metrics = loss_fn(model)
+    _, _, model_state = nnx.split(model, nnx.Param, ...)
+    return loss.astype(jnp.float32), (metrics, model_state)
+
+  (loss, (metrics, model_state)), grads = jax.value_and_grad(
+      loss_of_params, has_aux=True)(state.params)
   state, grad_norm = apply_gradients(state, grads, model_state, optimizer,
                                      loss)
   return state, metrics | {'loss': loss, 'grad_norm': grad_norm}
@@ -228,6 +269,62 @@ def _from_saveable(tree, template):
       if jnp.issubdtype(t.dtype, jax.dtypes.prng_key) else x, tree, template)
 
 
+# Tensorstore, which writes the arrays, reports a full or read-only disk as a
+# ValueError ("RESOURCE_EXHAUSTED: ... No space left on device
+# [os_error_code='28']"), not an OSError.
+_STORAGE_ERROR_MARKERS = ('os_error_code', 'RESOURCE_EXHAUSTED',
+                          'PERMISSION_DENIED', 'No space left',
+                          'Read-only file system', 'Permission denied')
+
+
+def _is_storage_error(error: BaseException) -> bool:
+  return isinstance(error, OSError) or any(
+      marker in str(error) for marker in _STORAGE_ERROR_MARKERS)
+
+
+class _SaveNoiseFilter(logging.Filter):
+  """Drops the tracebacks of a failed save's aborted writes: orbax's worker
+  thread logs one, and asyncio one per write task it never awaited."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR:
+      return True
+    if f'{os.sep}orbax{os.sep}' in record.pathname:
+      return False
+    message = record.getMessage()
+    return not ('exception was never retrieved' in message and
+                'orbax' in message)
+
+
+def _drop_closed_loop_errors(unraisablehook):
+  """``unraisablehook`` less the 'Event loop is closed' tracebacks that the
+  tensorstore callbacks of a failed save print, during or after it."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and
+            'Event loop is closed' in str(unraisable.exc_value)):
+      unraisablehook(unraisable)
+
+  return hook
+
+
+@contextlib.contextmanager
+def _quiet_failed_save():
+  """A failed save is reported once, by ``Checkpointer.save``'s own error
+  (which chains orbax's), not also as a screenful of stack traces. Those
+  arrive during the save and after it (when the aborted tasks are collected),
+  so after a failure the filters stay; after a success they are removed."""
+  loggers = [logging.getLogger('absl'), logging.getLogger('asyncio')]
+  noise, previous_hook = _SaveNoiseFilter(), sys.unraisablehook
+  for logger in loggers:
+    logger.addFilter(noise)
+  sys.unraisablehook = _drop_closed_loop_errors(previous_hook)
+  yield  # an exception propagates from here, leaving the filters in place
+  for logger in loggers:
+    logger.removeFilter(noise)
+  sys.unraisablehook = previous_hook
+
+
 class Checkpointer:
   """Orbax checkpoints of a TrainState under ``directory``."""
 
@@ -258,9 +355,12 @@ class Checkpointer:
       return
     leaves = _saveable(jax.tree.leaves(state))
     try:
-      self._manager.save(step, args=ocp.args.StandardSave(leaves))
-      self._manager.wait_until_finished()
-    except OSError as e:
+      with _quiet_failed_save():
+        self._manager.save(step, args=ocp.args.StandardSave(leaves))
+        self._manager.wait_until_finished()
+    except (OSError, ValueError) as e:
+      if not _is_storage_error(e):
+        raise
       raise OSError(
           f'saving the checkpoint of step {step} to {self.directory} failed '
           f'({e}); the previous checkpoint is intact. Free disk space or '
@@ -291,12 +391,19 @@ class MetricWriter:
     from tensorboardX import SummaryWriter  # a heavy import: only when training
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    self._workdir = workdir
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     for name, value in scalars.items():
       self._tb.add_scalar(name, value, step)
-    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
-    self._jsonl.flush()
+    try:
+      self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+      self._jsonl.flush()
+    except OSError as e:
+      raise OSError(
+          f'writing the metrics of step {step} to {self._workdir} failed '
+          f'({e}). Free disk space or choose another --workdir, then rerun to '
+          f'resume from the last checkpoint.') from e
     self._tb.flush()
 
   def close(self) -> None:
@@ -398,9 +505,13 @@ class FamilySteps(NamedTuple):
     with the graphdef bound and the state donated.
   eval_step(graphdef, params, model_state, images_uint8, labels, mask)
     -> {'correct', 'loss', 'count'} sums.
+  draws_batches: when True, train_step receives the WHOLE training split
+    (images, labels) and draws its batch from the key itself (MultiMNIST
+    pairs generated on device); the batch still depends only on (seed, step).
   """
   train_step: Callable
   eval_step: Callable
+  draws_batches: bool = False
 
 
 def _save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -419,12 +530,73 @@ def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
   os.replace(tmp, path)
 
 
+_POSITIVE_INT_KEYS = ('batch_size', 'eval_batch_size', 'num_train_steps',
+                      'log_every_steps', 'eval_every_steps',
+                      'checkpoint_every_steps', 'lr_decay_steps')
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first key of ``config`` that ``fit``
+  cannot use (model options are checked by ``models.create_model``)."""
+
+  def fail(key, requirement):
+    raise ValueError(f'config.{key} must be {requirement}, got '
+                     f'{config[key]!r}.')
+
+  def is_int(value):
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+  for key in _POSITIVE_INT_KEYS:
+    if not is_int(config[key]) or config[key] < 1:
+      fail(key, 'a positive int')
+  for key in ('learning_rate', 'lr_decay_rate'):
+    if isinstance(config[key], bool) or not (
+        isinstance(config[key], int | float) and
+        np.isfinite(config[key]) and config[key] > 0):
+      fail(key, 'a finite number > 0')
+  for key in ('seed', 'max_shift'):
+    if key in config and (not is_int(config[key]) or config[key] < 0):
+      fail(key, 'an int >= 0')
+  if config.get('max_train_seconds') and not config.max_train_seconds > 0:
+    fail('max_train_seconds', '> 0 (or 0: no limit)')
+  if config.get('target_accuracy') and not 0 < config.target_accuracy <= 1:
+    fail('target_accuracy', 'in (0, 1] (or 0: train all steps)')
+  if 'canvas_size' in config and (not is_int(config.canvas_size) or
+                                  config.canvas_size < 0):
+    fail('canvas_size', 'an int >= 0 (0: no canvas)')
+  num_devices = config.get('num_devices') or 0
+  if not is_int(num_devices) or not 0 <= num_devices <= jax.local_device_count():
+    fail('num_devices', f'an int from 0 (all devices) to '
+         f'{jax.local_device_count()} (the local device count)')
+  if 'debug_poison_step' in config and not is_int(config.debug_poison_step):
+    fail('debug_poison_step', 'an int (-1: off)')
+
+
+def _raise_if_diverged(state: TrainState, checkpoints: Checkpointer) -> None:
+  bad_step = int(state.nonfinite_step)
+  if bad_step >= 0:
+    raise TrainingDiverged(
+        f'the loss or a gradient became non-finite at step {bad_step}; that '
+        f'update was not applied and the last good checkpoint (step '
+        f'{checkpoints.latest_step()}) is kept in {checkpoints.directory}. '
+        f'Lower the learning rate or check the input data.')
+
+
 def fit(config: ml_collections.ConfigDict, workdir: str,
-        steps: FamilySteps, dataset: data_lib.Dataset) -> dict[str, Any]:
+        steps: FamilySteps, dataset: data_lib.Dataset,
+        extra_tests: Mapping[str, data_lib.Split] | None = None
+        ) -> dict[str, Any]:
   """Train, checkpoint, resume, select on validation, test once, summarise.
+
+  With ``config.target_accuracy`` > 0 training stops at the first
+  evaluation whose validation accuracy reaches it (a rerun of a run that
+  reached it does not train further). ``extra_tests`` (name -> Split) are
+  evaluated with the test set, on the selected model, into
+  ``summary['extra_tests']``.
 
   Returns the summary also written to ``workdir/summary.json``.
   """
+  check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   _save_config(config, workdir)
@@ -447,6 +619,9 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   best_record_path = os.path.join(workdir, 'best_validation.json')
   best_record = (json.load(open(best_record_path))
                  if os.path.exists(best_record_path) else None)
+  target = config.get('target_accuracy') or 0.0
+  reached = lambda record: bool(  # noqa: E731
+      target and record and record['accuracy'] >= target)
 
   train_images = jax.device_put(jnp.asarray(dataset.train.images),
                                 replicated(mesh))
@@ -455,6 +630,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   order = BatchOrder(len(dataset.train.labels), config.batch_size, config.seed)
   total_steps = config.num_train_steps
   data_key = jax.random.PRNGKey(config.seed + 2)
+  poison_step = config.get('debug_poison_step', -1)
 
   # The graphdef is closed over rather than passed as a static argument: it
   # need not be hashable.
@@ -479,10 +655,16 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   try:
     window_start = time.perf_counter()
     window_steps = 0
-    while step < total_steps:
-      idx = jnp.asarray(order.indices(step))
-      images = jax.device_put(train_images[idx], batch_sharded(mesh))
-      labels = jax.device_put(train_labels[idx], batch_sharded(mesh))
+    while step < total_steps and not reached(best_record):
+      if steps.draws_batches:
+        images, labels = train_images, train_labels
+      else:
+        idx = jnp.asarray(order.indices(step))
+        images = jax.device_put(train_images[idx], batch_sharded(mesh))
+        labels = jax.device_put(train_labels[idx], batch_sharded(mesh))
+      if step == poison_step:  # a test hook: a batch of NaN images
+        images = jax.device_put(jnp.full(images.shape, jnp.nan, jnp.float32),
+                                images.sharding)
       key = jax.random.fold_in(data_key, step)
       t0 = time.perf_counter()
       state, metrics = train_step(state, images, labels, key)
@@ -493,15 +675,14 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
         compile_s = time.perf_counter() - t0
         window_start, window_steps = time.perf_counter(), 0
       last = step == total_steps or (deadline and time.time() > deadline)
+      if last or not (step % config.log_every_steps and
+                      step % config.eval_every_steps and
+                      step % config.checkpoint_every_steps):
+        # Before anything is logged, evaluated or saved, so that no
+        # checkpoint holds a state that went past a non-finite step.
+        _raise_if_diverged(state, checkpoints)
       if step % config.log_every_steps == 0 or last:
         metrics = jax.device_get(metrics)
-        if int(state.nonfinite_step) >= 0:
-          raise TrainingDiverged(
-              f'the loss or a gradient became non-finite at step '
-              f'{int(state.nonfinite_step)}; that update was not applied and '
-              f'the last good checkpoint (step {checkpoints.latest_step()}) is '
-              f'kept in {checkpoints.directory}. Lower the learning rate or '
-              f'check the input data.')
         elapsed = time.perf_counter() - window_start
         if window_steps:
           train_seconds += elapsed
@@ -524,6 +705,10 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
             best_record = {'step': step, **val}
             best.save(state)
             write_json_atomic(best_record_path, best_record)
+          if reached(val):
+            last = True
+            print(f'Validation accuracy {val["accuracy"]:.4f} reached the '
+                  f'target {target} at step {step}; stopping.', flush=True)
         window_start = time.perf_counter()
       if step % config.checkpoint_every_steps == 0 or last:
         checkpoints.save(state)
@@ -538,6 +723,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   if best_record is not None and best.latest_step() is not None:
     state = best.restore(state)
   test = run_eval(dataset.test, jnp.asarray(dataset.test.images))
+  extra = {name: run_eval(split, jnp.asarray(split.images))
+           for name, split in (extra_tests or {}).items()}
   checkpoints.close()
   best.close()
   images_per_s = (measured_steps * config.batch_size / train_seconds
@@ -551,6 +738,9 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
       'selected_step': int(state.step),
       'validation': best_record,
       'test': test,
+      **({'extra_tests': extra} if extra_tests is not None else {}),
+      **({'target_accuracy': target, 'reached_target': reached(best_record)}
+         if target else {}),
       'train_images_per_s': images_per_s,
       'compile_s': compile_s,
       'train_wall_s_this_run': train_seconds,

@@ -41,19 +41,56 @@ def run_command(argv: list[str], body: Callable[[], None],
     sys.exit(2)
 
 
-def run(train_and_evaluate: Callable, default_config: str) -> None:
+def _one_line(error: BaseException) -> str:
+  """A flag error as one line: its first line and, if longer, its last."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  if len(lines) > 1:
+    return f'{lines[0]} {lines[-1]}'
+  return lines[0] if lines else type(error).__name__
+
+
+def usage_error(error: BaseException) -> None:
+  """Print a bad flag as one ``error: ...`` line and exit with status 2."""
+  print(f'error: {_one_line(error)} (see --help)', file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """``app.run``'s flags_parser: a bad flag is one error line and exit 2.
+
+  (absl's own parser prints a multi-line FATAL message and exits with 1.)
+  """
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    usage_error(e)
+
+
+def run(train_and_evaluate: Callable, default_config: str, *,
+        workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
+        'and summary.json; rerun with the same one to resume.') -> None:
   """Define --workdir and --config (default ``configs/<default_config>``), run."""
   workdir = flags.DEFINE_string(
-      'workdir', None, 'Directory for checkpoints, TensorBoard metrics and '
-      'summary.json; rerun with the same one to resume.', required=True,
+      'workdir', None, workdir_help, required=True,
       module_name=sys.argv[0])  # --help lists the main module's flags
-  config = config_flags.DEFINE_config_file(
-      'config', os.path.join(CONFIG_DIR, default_config),
-      'Experiment config file, optionally with :variant (e.g. :smoke); '
-      'override single keys with --config.KEY=VALUE.', lock_config=True)
+  try:
+    # ml_collections reads --config.KEY=VALUE overrides here already: an
+    # unknown KEY raises now, before app.run parses the flags.
+    config = config_flags.DEFINE_config_file(
+        'config', os.path.join(CONFIG_DIR, default_config),
+        'Experiment config file, optionally with :variant (e.g. :smoke); '
+        'override single keys with --config.KEY=VALUE.', lock_config=True)
+  except (AttributeError, KeyError) as e:
+    while e.args and isinstance(e.args[0], BaseException):
+      e = e.args[0]  # ml_collections wraps the KeyError in an AttributeError
+    detail = ' '.join(str(e.args[0] if e.args else e).split())
+    usage_error(ValueError(f'a --config.KEY=VALUE override names a key the '
+                           f'config lacks: {detail}'))
+  except (TypeError, ValueError) as e:
+    usage_error(e)
   flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
 
   def main(argv):
     run_command(argv, lambda: train_and_evaluate(config.value, workdir.value))
 
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -7,6 +7,10 @@ import zipfile
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 from scipy import io as scipy_io
 
 from capsjax.data import DataError
@@ -164,3 +168,113 @@ def test_affine_mnist_on_test_digits():
   rows = np.any(out[..., 0] > 0, axis=2)
   tops = rows.argmax(1)
   assert tops.min() <= 2 and tops.max() >= 12
+
+
+# ----------------------------------------------------------------------------
+# Fuzzing: whatever the bytes, a Split of the file's own values or DataError.
+
+_FUZZ = settings(max_examples=40, deadline=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _release_bytes(tmp_path, images, labels):
+  write_release_mat(tmp_path / 'valid.mat', images, labels)
+  return (tmp_path / 'valid.mat').read_bytes()
+
+
+def _read_or_data_error(path):
+  try:
+    split = aff.read_affnist_mat(path)
+  except DataError as e:
+    assert str(path) in str(e)
+    return None
+  assert split.images.dtype == np.uint8 and split.labels.dtype == np.int32
+  assert split.images.shape == (len(split.labels), 40, 40, 1)
+  assert np.all((split.labels >= 0) & (split.labels <= 9))
+  return split
+
+
+@_FUZZ
+@given(data=st.binary(max_size=400), suffix=st.sampled_from(['.mat', '.zip']))
+def test_fuzz_random_bytes(tmp_path, data, suffix):
+  path = tmp_path / f'random{suffix}'
+  path.write_bytes(data)
+  _read_or_data_error(path)
+
+
+@_FUZZ
+@given(fraction=st.floats(0.0, 1.0, exclude_max=True),
+       zipped=st.booleans())
+def test_fuzz_truncated_release_file(tmp_path, fraction, zipped):
+  """A cut anywhere is a DataError, except in the final alignment padding
+  (the last 2 bytes here), where every value is still read correctly."""
+  images, labels = letter_images(3), np.array([1, 2, 3])
+  data = _release_bytes(tmp_path, images, labels)
+  cut = int(fraction * len(data))
+  path = tmp_path / 'test.mat'
+  path.write_bytes(data[:cut])
+  if zipped:
+    with zipfile.ZipFile(tmp_path / 'test.mat.zip', 'w') as archive:
+      archive.write(path, 'test.mat')
+    path = tmp_path / 'test.mat.zip'
+  split = _read_or_data_error(path)
+  if split is not None:
+    assert cut >= len(data) - 7, cut  # MATLAB v5 pads to 8 bytes
+    np.testing.assert_array_equal(split.images[..., 0], images)
+    np.testing.assert_array_equal(split.labels, labels)
+
+
+@_FUZZ
+@given(data=st.data())
+def test_fuzz_truncated_zip_archive(tmp_path, data):
+  write_release_mat(tmp_path / 'test.mat', letter_images(2), np.array([3, 4]))
+  with zipfile.ZipFile(tmp_path / 'test.mat.zip', 'w') as archive:
+    archive.write(tmp_path / 'test.mat', 'test.mat')
+  whole = (tmp_path / 'test.mat.zip').read_bytes()
+  cut = data.draw(st.integers(0, len(whole) - 1))
+  path = tmp_path / 'cut.mat.zip'
+  path.write_bytes(whole[:cut])
+  with pytest.raises(DataError):
+    aff.read_affnist_mat(path)
+
+
+_DTYPES = st.sampled_from([np.uint8, np.int16, np.int32, np.float64,
+                           np.float32, np.bool_])
+
+
+@_FUZZ
+@given(rows=st.sampled_from([1600, 1599, 784, 0, 1]),
+       count=st.integers(0, 3), extra_labels=st.integers(-1, 1),
+       image_dtype=_DTYPES, label_dtype=_DTYPES,
+       values=st.sampled_from(['pixels', 'negative', 'large', 'fractional',
+                               'nan']),
+       label_values=st.sampled_from(['digits', 'ten', 'negative',
+                                     'fractional', 'nan']),
+       seed=st.integers(0, 2**16))
+def test_fuzz_struct_contents(tmp_path, rows, count, extra_labels,
+                              image_dtype, label_dtype, values, label_values,
+                              seed):
+  """Images of any shape, dtype and values; labels of any count and values:
+  either exactly the file's values or a DataError naming the file."""
+  rng = np.random.default_rng(seed)
+  image = rng.integers(0, 256, (rows, count)).astype(np.float64)
+  image += {'pixels': 0, 'negative': -300, 'large': 300, 'fractional': 0.5,
+            'nan': np.nan}[values]
+  with np.errstate(invalid='ignore'):
+    image = image.astype(image_dtype)
+  label = rng.integers(0, 10, max(count + extra_labels, 0)).astype(np.float64)
+  label += {'digits': 0, 'ten': 10, 'negative': -11, 'fractional': 0.25,
+            'nan': np.nan}[label_values]
+  with np.errstate(invalid='ignore'):
+    label = label.astype(label_dtype)
+  path = tmp_path / 'fuzz.mat'
+  scipy_io.savemat(path, {'affNISTdata': {'image': image,
+                                          'label_int': label[None]}})
+  split = _read_or_data_error(path)
+  if split is not None:
+    # Only a faithful reading is accepted: no wrapped or rounded values.
+    np.testing.assert_array_equal(
+        split.images.reshape(len(split.labels), 1600).T.astype(np.float64),
+        image.astype(np.float64))
+    np.testing.assert_array_equal(split.labels.astype(np.float64),
+                                  label.astype(np.float64))

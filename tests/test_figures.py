@@ -244,3 +244,40 @@ def test_cli_help_lists_every_flag():
   for flag in ('workdir', 'output_dir', 'num_images', 'perturbation_index',
                'data_dir', 'which'):
     assert f'--{flag}' in result.stdout, flag
+
+
+def test_pair_predictions_figure(tmp_path):
+  rng = np.random.default_rng(0)
+  images = rng.uniform(size=(5, 28, 56, 1)).astype(np.float32)
+  labels = np.array([[1, 2], [3, 4], [5, 6], [7, 8], [9, 0]])
+  scores = {'baseline': rng.uniform(size=(5, 10)),
+            'capsnet': rng.uniform(size=(5, 10))}
+  path = tmp_path / 'pairs.png'
+  fig = figures.pair_predictions_figure(images, labels, scores, path,
+                                        columns=3)
+  height, width, _ = _check_png(path)
+  assert width > height
+  assert len(fig.axes) == 6  # 2 rows of 3, the last one empty
+  # One line per model under each image, naming its two top classes.
+  texts = [t.get_text() for t in fig.axes[0].texts]
+  top = np.argsort(-scores['capsnet'][0])[:2]
+  assert len(texts) == 2 and texts[1].startswith(f'capsnet: {top[0]} (')
+  with pytest.raises(ValueError, match='labels'):
+    figures.pair_predictions_figure(images, labels[:2], scores)
+  with pytest.raises(ValueError, match='scores of'):
+    figures.pair_predictions_figure(images, labels, {'x': np.zeros((4, 10))})
+
+
+def test_attack_accuracy_figure(tmp_path):
+  path = tmp_path / 'attacks.png'
+  accuracies = {'fgsm': {'a': [0.9, 0.5, 0.1], 'b': [0.95, 0.8, 0.6]},
+                'bim': {'a': [0.9, 0.2, 0.0], 'b': [0.95, 0.6, 0.3]}}
+  fig = figures.attack_accuracy_figure([0.0, 0.1, 0.3], accuracies, path,
+                                       title='t')
+  _check_png(path)
+  assert [ax.get_title() for ax in fig.axes] == ['FGSM', 'BIM']
+  np.testing.assert_allclose(fig.axes[1].lines[0].get_ydata(), [90, 20, 0])
+  with pytest.raises(ValueError, match='3 epsilons'):
+    figures.attack_accuracy_figure([0.0, 0.1, 0.3], {'fgsm': {'a': [1.0]}})
+  with pytest.raises(ValueError, match='no attack'):
+    figures.attack_accuracy_figure([0.0], {})

@@ -59,7 +59,13 @@ def test_registry_lists_every_model_with_a_family():
     ('capsule_net', {}, 'valid names: baseline_cnn, capsnet'),
     ('capsnet', {'iterations': 3}, r"unknown option\(s\) \['iterations'\]"),
     ('capsnet', {'num_iterations': 0}, 'num_iterations'),
-    ('capsnet', {'conv1_channels': -8}, 'out_features'),
+    ('capsnet', {'conv1_channels': -8}, 'conv1_channels must be a positive'),
+    ('capsnet', {'primary_types': 0}, 'primary_types must be a positive'),
+    ('capsnet', {'primary_kernel': 0}, 'primary_kernel must be a positive'),
+    ('capsnet', {'conv1_kernel': 40}, 'kernel size 40 is larger than the'),
+    ('baseline_cnn', {'kernel_size': -5}, 'kernel_size must be a positive'),
+    ('matrix_capsnet', {'caps2_stride': 0}, 'caps2_stride must be a positive'),
+    ('two_digit_capsnet', {'capsule_dim': -1}, 'capsule_dim must be'),
     ('capsnet', {'decoder_widths': (512, 0)}, 'decoder_widths'),
     ('capsnet', {'input_shape': (8, 8, 1)}, 'larger than the input'),
     ('capsnet', {'conv_impl': 'fft'}, 'conv_impl'),
@@ -85,6 +91,49 @@ def test_bad_images_raise_clear_errors():
   trunk = _abstract('two_digit_capsnet', **SMALL_TRUNK)
   with pytest.raises(ValueError, match='at least 14x14'):
     trunk(jnp.zeros((2, 12, 28, 1)))
+
+
+# Every model in the registry: small options and the input it expects
+# (None: any height and width >= 14).
+REGISTRY_INPUTS = {
+    'capsnet': (SMALL_CAPSNET, (28, 28), 1),
+    'baseline_cnn': ({'conv_channels': (4, 4, 4), 'fc_widths': (8, 8)},
+                     (28, 28), 1),
+    'matrix_capsnet': (SMALL_MATRIX, (32, 32), 1),
+    'two_digit_baseline': (SMALL_TRUNK, None, 1),
+    'two_digit_capsnet': (SMALL_TRUNK, None, 1),
+}
+
+
+@pytest.mark.parametrize('name', models.list_models())
+def test_every_model_rejects_wrong_images_naming_expected_and_got(name):
+  options, spatial, channels = REGISTRY_INPUTS[name]
+  model = _abstract(name, **options)
+  h, w = spatial or (28, 28)
+  expected = (f'[B, {h}, {w}, {channels}]' if spatial
+              else f'[B, H, W, {channels}]')
+  wrong_shapes = [(2, h, w, channels + 2), (2, h, w), (h, w, channels)]
+  if spatial:
+    wrong_shapes.append((2, h + 4, w, channels))
+  for shape in wrong_shapes:
+    with pytest.raises(ValueError) as info:
+      model(jnp.zeros(shape))
+    message = str(info.value)
+    assert f'images must be {expected}' in message, message
+    assert f'got shape {shape}' in message, message
+  if not spatial:
+    with pytest.raises(ValueError, match=r'at least 14x14 .*got \(2, 12, 40'):
+      model(jnp.zeros((2, 12, 40, channels)))
+  for dtype in (jnp.uint8, jnp.int32, jnp.bool_, jnp.bfloat16):
+    with pytest.raises(ValueError, match=rf'images must be float32 \(the dtype '
+                       rf'of the model.s parameters\).* got {dtype.__name__}'):
+      model(jnp.zeros((2, h, w, channels), dtype))
+  with pytest.raises(ValueError, match='to_float converts uint8'):
+    model(jnp.zeros((2, h, w, channels), jnp.uint8))
+  # The expected input passes the checks (abstractly: no compute).
+  nnx.eval_shape(lambda: models.create_model(name, rngs=nnx.Rngs(0),
+                                             **options)(
+      jnp.zeros((2, h, w, channels), jnp.float32)))
 
 
 # ----------------------------------------------------------------------------
@@ -280,3 +329,20 @@ def test_two_digit_models_accept_any_width(name):
     np.testing.assert_allclose(
         single['scores'], np.linalg.norm(single['capsules'], axis=-1),
         rtol=1e-5)
+
+
+def test_matrix_capsnet_transform_std_sets_every_em_layers_init():
+  model = models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
+                              input_shape=(28, 28, 1), num_classes=10, A=8,
+                              B=8, C=8, D=8, transform_std=1.0)
+  for layer in (model.caps1, model.caps2, model.class_caps):
+    assert abs(float(jnp.std(layer.weights[...])) - 1.0) < 0.1
+  default = models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
+                                input_shape=(28, 28, 1), num_classes=10, A=8,
+                                B=8, C=8, D=8)
+  assert abs(float(jnp.std(default.caps1.weights[...])) - 0.5) < 0.05
+  with pytest.raises(ValueError, match='transform_std must be > 0'):
+    models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), transform_std=0.0)
+  with pytest.raises(ValueError, match="init='paper' only"):
+    models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), init='authors',
+                        transform_std=1.0)

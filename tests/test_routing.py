@@ -576,13 +576,17 @@ def _degenerate_case(name):
     votes = 1e4 * votes
   elif name == 'scale_1e-6':
     votes = 1e-6 * votes
+  elif name == 'scale_1e12':
+    votes = 1e12 * votes
+  elif name == 'scale_1e-30':
+    votes = 1e-30 * votes
   return votes, activations
 
 
 # Cases of the same shape, stacked on a new leading axis (routing is
 # independent per example), plus the single-input case: one compilation.
 SAME_SHAPE_CASES = ['zero_activations', 'identical_votes', 'scale_1e4',
-                    'scale_1e-6']
+                    'scale_1e-6', 'scale_1e12', 'scale_1e-30']
 BETA_U = np.array([0.5, -0.3, 1.0])
 BETA_A = np.array([0.2, 0.0, -0.5])
 
@@ -609,7 +613,9 @@ _degenerate_grads = jax.jit(jax.grad(_degenerate_loss, has_aux=True))
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_values_and_gradients_finite_on_degenerate_inputs(dtype):
   """All-zero activations, identical votes, a single input capsule, votes of
-  1e4 and 1e-6 scale: finite outputs and gradients wrt every input."""
+  1e-30 to 1e12 scale: finite outputs and gradients wrt every input. (The
+  limit: from about 1e15 EM's gradients overflow, from about 1e19 squared
+  norms overflow float32's and bfloat16's range in every output.)"""
   stacked = [np.stack(x) for x in zip(*[_degenerate_case(case)
                                         for case in SAME_SHAPE_CASES],
                                       strict=True)]

@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
+from capsjax import train_dynamic
 from capsjax import train_lib
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
@@ -61,41 +61,6 @@ def test_smoke_capsnet_reaches_97_percent_in_5_minutes(tmp_path):
   assert any('validation/accuracy' in line for line in lines)
 
 
-@needs_mnist
-@pytest.mark.slow
-def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
-  """Kill -9 after the first checkpoint; the rerun ends where one run ends."""
-  config = os.path.join(REPO, 'experiments/configs/baseline_cnn_mnist.py:smoke')
-  overrides = ['--config.num_train_steps=60', '--config.checkpoint_every_steps=20',
-               '--config.eval_every_steps=20', '--config.log_every_steps=10',
-               '--config.validation_size=500']
-  straight = _launch(tmp_path / 'straight', config, *overrides)
-  out, _ = straight.communicate(timeout=600)
-  assert straight.returncode == 0, out
-
-  interrupted = tmp_path / 'interrupted'
-  proc = _launch(interrupted, config, *overrides)
-  deadline = time.time() + 600
-  checkpoints = interrupted / 'checkpoints'
-  while time.time() < deadline:
-    steps = [d for d in (os.listdir(checkpoints) if checkpoints.exists() else [])
-             if d.isdigit()]
-    if steps:
-      break
-    assert proc.poll() is None, proc.stdout.read()
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert not (interrupted / 'summary.json').exists()
-  resumed = _launch(interrupted, config, *overrides)
-  out, _ = resumed.communicate(timeout=600)
-  assert resumed.returncode == 0, out
-  assert 'Resuming from the checkpoint of step' in out
-  for a, b in zip(_final_params(tmp_path / 'straight'),
-                  _final_params(interrupted), strict=True):
-    np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize('module', ['experiments.capsnet_mnist',
                                     'experiments.matrix_capsnet'])
 def test_help_lists_flags(module):
@@ -122,3 +87,313 @@ def test_bad_variant_is_a_clear_error():
     capsnet_mnist.get_config('nonsense')
   with pytest.raises(ValueError, match='unknown variant'):
     baseline_cnn_mnist.get_config('nonsense')
+
+
+# ----------------------------------------------------------------------------
+# Reliability on a tiny CapsNet and a tiny MNIST written in the IDX format:
+# interruption at any point, a poisoned batch, bad config values, a full
+# disk, determinism.
+
+TINY_OPTIONS = dict(conv1_channels=8, primary_types=2, decoder_widths=(16, 32))
+TINY = dict(batch_size=8, validation_size=40, num_train_steps=12,
+            checkpoint_every_steps=2, eval_every_steps=2, log_every_steps=1,
+            eval_batch_size=40)
+
+
+def write_tiny_mnist(directory, num_train=200, num_test=40, seed=0):
+  """Random digits in the four IDX files of MNIST (enough to train on)."""
+  from tests.test_data_idx import idx_bytes
+  os.makedirs(directory, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  for split, num in (('train', num_train), ('t10k', num_test)):
+    images = rng.integers(0, 256, (num, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, num, dtype=np.uint8)
+    with open(os.path.join(directory, f'{split}-images-idx3-ubyte'), 'wb') as f:
+      f.write(idx_bytes(images))
+    with open(os.path.join(directory, f'{split}-labels-idx1-ubyte'), 'wb') as f:
+      f.write(idx_bytes(labels))
+  return str(directory)
+
+
+@pytest.fixture(scope='module')
+def tiny_mnist(tmp_path_factory):
+  return write_tiny_mnist(tmp_path_factory.mktemp('tiny_mnist'))
+
+
+def _tiny_config(data_dir, **overrides):
+  config = capsnet_mnist.get_config('smoke')
+  config.model_options.update(TINY_OPTIONS)
+  config.update(TINY)
+  config.data_dir = data_dir
+  config.update(overrides)
+  return config
+
+
+def _tiny_flags(data_dir, **overrides):
+  """The command-line flags of ``_tiny_config``."""
+  flags = [f'--config.model_options.{k}={v}' for k, v in TINY_OPTIONS.items()]
+  flags += [f'--config.{k}={v}' for k, v in (TINY | overrides).items()]
+  return flags + [f'--config.data_dir={data_dir}']
+
+
+def _params(workdir, which):
+  model = train_lib.load_trained_model(str(workdir), which=which)
+  from flax import nnx
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def _assert_same_params(workdir_a, workdir_b, which='latest'):
+  for a, b in zip(_params(workdir_a, which), _params(workdir_b, which),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+# A training run that SIGKILLs itself at one chosen point (env
+# CAPSJAX_TEST_KILL=KIND:STEP), then runs the experiment's command line:
+#   train    after the update of step STEP, before it is logged or saved;
+#   data     the arrays of checkpoint STEP written into orbax's temporary
+#            directory, before the commit marker;
+#   rename   checkpoint STEP complete in the temporary directory, before the
+#            rename that publishes it;
+#   renamed  just after that rename (before older checkpoints are deleted).
+_KILL_DRIVER = r'''
+import os, runpy, signal, sys
+from orbax.checkpoint._src.path import async_path
+from capsjax import train_dynamic
+from capsjax import train_lib
+
+kind, target = os.environ['CAPSJAX_TEST_KILL'].split(':')
+target = int(target)
+
+def die():
+  os.kill(os.getpid(), signal.SIGKILL)
+
+def is_target(directory):  # checkpoints/TARGET[.orbax-checkpoint-tmp]
+  return (directory.parent.name == 'checkpoints' and
+          directory.name.split('.')[0] == str(target))
+
+write, write_text, rename = (train_lib.MetricWriter.write,
+                             async_path.write_text, async_path.rename)
+
+def killing_write(self, step, scalars):
+  if kind == 'train' and step == target:
+    die()
+  return write(self, step, scalars)
+
+async def killing_write_text(path, text, **kwargs):
+  if kind == 'data' and path.name == 'commit_success.txt' and is_target(
+      path.parent):
+    die()
+  return await write_text(path, text, **kwargs)
+
+async def killing_rename(src, dst):
+  if kind == 'rename' and is_target(dst):
+    die()
+  result = await rename(src, dst)
+  if kind == 'renamed' and is_target(dst):
+    die()
+  return result
+
+train_lib.MetricWriter.write = killing_write
+async_path.write_text = killing_write_text
+async_path.rename = killing_rename
+sys.argv[0] = 'capsnet_mnist'
+runpy.run_module('experiments.capsnet_mnist', run_name='__main__',
+                 alter_sys=True)
+'''
+
+
+def _run_killed(workdir, flags, kind, step):
+  config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
+  env = conftest.training_env() | {'CAPSJAX_TEST_KILL': f'{kind}:{step}'}
+  return subprocess.run(
+      [sys.executable, '-c', _KILL_DRIVER, f'--workdir={workdir}',
+       f'--config={config}', *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+def kill_plan(seed, total_steps, every):
+  """Three (kind, step) interruptions at increasing steps, one of them
+  between the write of a checkpoint and its rename."""
+  rng = np.random.default_rng(seed)
+  kinds = ['rename', *rng.choice(['train', 'data', 'renamed'], 2,
+                                 replace=False)]
+  rng.shuffle(kinds)
+  saves = np.arange(every, total_steps + 1, every)
+  steps = np.sort(rng.choice(saves, 3, replace=False))
+  plan = []
+  for kind, step in zip(kinds, steps, strict=True):
+    if kind == 'train' and rng.random() < 0.5 and (
+        not plan or step - 1 > plan[-1][1]):
+      step -= 1  # between two checkpoints
+    plan.append((str(kind), int(step)))
+  return plan
+
+
+# CAPSJAX_TEST_KILL_SEEDS=1,2,3 tries other interruption plans.
+KILL_SEEDS = [int(s) for s in
+              os.environ.get('CAPSJAX_TEST_KILL_SEEDS', '0').split(',')]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('seed', KILL_SEEDS)
+def test_sigkill_anywhere_incl_mid_checkpoint_resumes_bit_identically(
+    tmp_path, tiny_mnist, seed):
+  """Killed at three seeded points (one between a checkpoint's write and its
+  rename), rerun each time: the end equals one uninterrupted run, bit for
+  bit (final and selected parameters, validation and test results)."""
+  flags = _tiny_flags(tiny_mnist)
+  config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
+  straight = _launch(tmp_path / 'straight', config, *flags)
+  out, _ = straight.communicate(timeout=600)
+  assert straight.returncode == 0, out
+
+  workdir = tmp_path / 'interrupted'
+  checkpoints = workdir / 'checkpoints'
+  every = TINY['checkpoint_every_steps']
+  plan = kill_plan(seed, TINY['num_train_steps'], every)
+  resume_from = None
+  for kind, step in plan:
+    result = _run_killed(workdir, flags, kind, step)
+    assert result.returncode == -signal.SIGKILL, (
+        kind, step, result.stdout + result.stderr)
+    if resume_from is not None:
+      assert (f'Resuming from the checkpoint of step {resume_from} '
+              in result.stdout), result.stdout
+    done = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit())
+    pending = [d for d in os.listdir(checkpoints) if 'tmp' in d]
+    # The checkpoint of `step` is published only by a kill after the rename.
+    latest = step if kind == 'renamed' else (step - 1) // every * every
+    assert (done[-1] if done else 0) == latest, (kind, step, done)
+    if kind in ('data', 'rename'):
+      # What the kill left half-written; the rerun must ignore it.
+      assert pending == [f'{step}.orbax-checkpoint-tmp'], pending
+      committed = (checkpoints / pending[0] / 'commit_success.txt').exists()
+      assert committed == (kind == 'rename')
+    else:
+      assert not pending, pending
+    resume_from = latest or None
+    assert not (workdir / 'summary.json').exists()
+  resumed = _launch(workdir, config, *flags)
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0, out
+  if resume_from is not None:
+    assert f'Resuming from the checkpoint of step {resume_from} ' in out, out
+
+  for which in ('latest', 'best'):
+    _assert_same_params(tmp_path / 'straight', workdir, which)
+  summaries = [json.load(open(w / 'summary.json'))
+               for w in (tmp_path / 'straight', workdir)]
+  for key in ('steps', 'selected_step', 'validation', 'test'):
+    assert summaries[0][key] == summaries[1][key], key
+
+
+def test_kill_plan_is_seeded_and_covers_a_kill_before_rename():
+  for seed in range(20):
+    plan = kill_plan(seed, 12, 2)
+    assert plan == kill_plan(seed, 12, 2)
+    assert [k for k, _ in plan].count('rename') == 1
+    steps = [s for _, s in plan]
+    assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] <= 12
+    assert all(s % 2 == 0 for k, s in plan if k != 'train')
+
+
+def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
+    tmp_path, tiny_mnist):
+  """NaN images at step 5 (``debug_poison_step``): the run stops naming step
+  5 before anything later is saved, even though logging is rarer than
+  checkpointing; a rerun without the poison resumes from step 5."""
+  workdir = str(tmp_path / 'work')
+  poisoned = _tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
+                          checkpoint_every_steps=1, debug_poison_step=5)
+  with pytest.raises(train_lib.TrainingDiverged,
+                     match=r'non-finite at step 5\b') as info:
+    train_dynamic.train_and_evaluate(poisoned, workdir)
+  assert 'last good checkpoint (step 5)' in str(info.value)
+  assert os.path.join(workdir, 'checkpoints') in str(info.value)
+  checkpoints = train_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  assert checkpoints.latest_step() == 5
+  checkpoints.close()
+  assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
+
+  clean = _tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
+                       checkpoint_every_steps=1)
+  summary = train_dynamic.train_and_evaluate(clean, workdir)
+  assert summary['steps'] == 8
+  assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
+
+
+def test_same_seed_and_config_give_identical_runs(tmp_path, tiny_mnist):
+  """Two runs of one config on one device: the same parameters bit for bit
+  and the same results; another seed gives other parameters."""
+  summaries = {}
+  for name, seed in (('a', 0), ('b', 0), ('other_seed', 1)):
+    config = _tiny_config(tiny_mnist, num_train_steps=4, seed=seed,
+                          checkpoint_every_steps=4, eval_every_steps=4)
+    summaries[name] = train_dynamic.train_and_evaluate(
+        config, str(tmp_path / name))
+  _assert_same_params(tmp_path / 'a', tmp_path / 'b')
+  for key in ('validation', 'test', 'steps'):
+    assert summaries['a'][key] == summaries['b'][key], key
+  other = _params(tmp_path / 'other_seed', 'latest')
+  assert any(not np.array_equal(x, y)
+             for x, y in zip(_params(tmp_path / 'a', 'latest'), other,
+                             strict=True))
+
+
+@pytest.mark.parametrize('override,message', [
+    ('--config.model_options.num_iterations=0', 'num_iterations must be a '
+     'positive int'),
+    ('--config.model_options.conv1_channels=-8', 'conv1_channels must be a '
+     'positive int, got -8'),
+    ('--config.log_every_steps=0', 'config.log_every_steps must be a '
+     'positive int, got 0'),
+])
+def test_bad_config_value_is_one_error_line_and_exit_2(tmp_path, tiny_mnist,
+                                                       override, message):
+  config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
+  proc = _launch(tmp_path / 'w', config, *_tiny_flags(tiny_mnist), override)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 2, out
+  errors = [line for line in out.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and message in errors[0], out
+  assert 'Traceback' not in out
+
+
+_FULL_DISK_DRIVER = r'''
+import errno, os, runpy, sys
+from orbax.checkpoint._src.path import async_path
+
+# The disk fills up while checkpoint 4 is written (orbax's metadata writes).
+write_text = async_path.write_text
+async def full_disk(path, text, **kwargs):
+  if '4.orbax-checkpoint-tmp' in str(path):
+    raise OSError(errno.ENOSPC, 'No space left on device', str(path))
+  return await write_text(path, text, **kwargs)
+async_path.write_text = full_disk
+sys.argv[0] = 'capsnet_mnist'
+runpy.run_module('experiments.capsnet_mnist', run_name='__main__',
+                 alter_sys=True)
+'''
+
+
+def test_full_disk_while_saving_is_one_clear_error_and_keeps_checkpoint(
+    tmp_path, tiny_mnist):
+  workdir = tmp_path / 'w'
+  config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
+  out = subprocess.run(
+      [sys.executable, '-c', _FULL_DISK_DRIVER, f'--workdir={workdir}',
+       f'--config={config}', *_tiny_flags(tiny_mnist, eval_every_steps=100)],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=conftest.training_env())
+  assert out.returncode == 2, out.stdout + out.stderr
+  assert out.stderr.startswith('error: OSError: saving the checkpoint of '
+                               'step 4'), out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+  for part in (str(workdir / 'checkpoints'), 'No space left on device',
+               'previous checkpoint is intact', 'Free disk space'):
+    assert part in out.stderr
+  checkpoints = train_lib.Checkpointer(str(workdir / 'checkpoints'))
+  assert checkpoints.latest_step() == 2
+  checkpoints.close()
+  assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))

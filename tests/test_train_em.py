@@ -1,8 +1,9 @@
 """Integration tests of the EM-routing training loop.
 
-They train on a smallNORB release the tests write in the NYU format (the real
-data cannot be downloaded here), which also exercises the reader, the
-48x48 stereo inputs and the random crops end to end.
+Most train on a smallNORB release the tests write in the NYU format (the
+real data cannot be downloaded here), which also exercises the reader, the
+48x48 stereo inputs and the random crops end to end; the slow one trains the
+small EM model on ../shared/data/mnist.
 """
 
 import json
@@ -18,9 +19,11 @@ from flax import nnx
 
 from capsjax import train_em
 from capsjax import train_lib
+from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
 from tests import conftest
 from tests.test_data_smallnorb import make_release
+from tests.test_train_dynamic import needs_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,3 +90,39 @@ def test_nonfinite_message_from_the_command_line(tmp_path, norb_dir):
   assert out.returncode == 2, out.stdout + out.stderr
   assert 'non-finite at step 0' in out.stderr
   assert 'Traceback' not in out.stderr
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_small_em_model_reaches_92_percent_on_mnist_in_5_minutes(tmp_path):
+  """Towards the EM issue's CI target (95%), every loss and gradient finite.
+
+  Measured on the shared CPU (results/em_mnist_trials/session2): this
+  configuration reached 93.5% test accuracy in 600 steps (93.8% with
+  shifts); the bound leaves room for run-to-run noise and is below the
+  issue's 95%, which stays open.
+  """
+  config = os.path.join(REPO, 'experiments/configs/matrix_capsnet_mnist.py:smoke')
+  env = conftest.training_env()
+  # Data parallelism over the two cores as two host devices: XLA's CPU
+  # kernels of the routing are mostly single-threaded.
+  env['XLA_FLAGS'] = (env['XLA_FLAGS'] +
+                      ' --xla_force_host_platform_device_count=2').strip()
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.matrix_capsnet',
+       f'--workdir={tmp_path}', f'--config={config}'],
+      cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+  assert out.returncode == 0, out.stdout + out.stderr
+  summary = json.load(open(tmp_path / 'summary.json'))
+  print(json.dumps(summary, indent=1))
+  assert summary['steps'] == matrix_capsnet_mnist.get_config(
+      'smoke').num_train_steps
+  assert summary['num_devices'] == 2
+  assert summary['train_wall_s_this_run'] < 300, summary
+  assert summary['test']['accuracy'] >= 0.92, summary
+  records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  logged = [r for r in records if 'train/loss' in r]
+  assert len(logged) >= summary['steps'] // 50
+  for record in logged:
+    assert math.isfinite(record['train/loss']), record
+    assert math.isfinite(record['train/grad_norm']), record

@@ -1,6 +1,8 @@
 """Tests of the shared training utilities (no model family needed)."""
 
+import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -109,8 +111,8 @@ def test_partial_checkpoint_is_ignored(tmp_path):
   checkpointer = train_lib.Checkpointer(str(directory))
   checkpointer.save(state._replace(step=jnp.int32(3)))
   checkpointer.close()
-  # What a kill during orbax's save leaves: a temporary directory.
-  partial = directory / '4.orbax-checkpoint-tmp-123'
+  # What a kill during orbax's save leaves: its temporary directory.
+  partial = directory / '4.orbax-checkpoint-tmp'
   partial.mkdir()
   (partial / 'garbage').write_bytes(b'\x00' * 10)
   reopened = train_lib.Checkpointer(str(directory))
@@ -198,3 +200,210 @@ def test_four_host_devices_match_one_device():
                           capture_output=True, text=True, timeout=300,
                           env=os.environ | {'JAX_PLATFORMS': 'cpu'})
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------
+# A full disk while saving: one clear error, the previous checkpoint intact.
+
+# How tensorstore, which writes the arrays, reports a full disk.
+_TENSORSTORE_ENOSPC = (
+    'RESOURCE_EXHAUSTED: Error writing "0/0" in OCDBT database at local file '
+    '"ckpt/2.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt.process_0'
+    '/": Failed writing: "...": Failed to write 58289 bytes to file 17: No '
+    "space left on device [os_error_code='28']")
+
+
+@pytest.fixture
+def restore_save_noise_filters(monkeypatch):
+  """A failed save leaves its log filters and unraisable hook installed (the
+  process is about to exit); the test process gets its own back."""
+  monkeypatch.setattr(sys, 'unraisablehook', sys.unraisablehook)
+  loggers = [logging.getLogger(name) for name in ('absl', 'asyncio')]
+  saved = [list(logger.filters) for logger in loggers]
+  yield
+  for logger, filters in zip(loggers, saved, strict=True):
+    logger.filters[:] = filters
+
+
+def _fill_disk(monkeypatch, where, error):
+  from orbax.checkpoint._src.path import async_path
+  from orbax.checkpoint._src.serialization import serialization
+
+  async def fail(*args, **kwargs):
+    raise error
+
+  if where == 'metadata':  # orbax's own (Python) writes
+    monkeypatch.setattr(async_path, 'write_text', fail)
+  else:  # the arrays, through tensorstore
+    monkeypatch.setattr(serialization, 'async_serialize_from_host', fail)
+
+
+@pytest.mark.parametrize('where,error', [
+    ('metadata', OSError(errno.ENOSPC, 'No space left on device')),
+    ('arrays', ValueError(_TENSORSTORE_ENOSPC)),
+    ('arrays', OSError(errno.EROFS, 'Read-only file system')),
+])
+def test_full_disk_while_saving_is_clear_and_keeps_previous_checkpoint(
+    tmp_path, monkeypatch, restore_save_noise_filters, where, error):
+  _, state = _state()
+  directory = str(tmp_path / 'ckpt')
+  checkpointer = train_lib.Checkpointer(directory)
+  checkpointer.save(state._replace(step=jnp.int32(1)))
+  with monkeypatch.context() as patch:
+    _fill_disk(patch, where, error)
+    with pytest.raises(OSError) as info:
+      checkpointer.save(state._replace(step=jnp.int32(2)))
+  message = str(info.value)
+  for part in ('saving the checkpoint of step 2', directory, str(error),
+               'previous checkpoint is intact', 'Free disk space or choose '
+               'another --workdir, then rerun to resume'):
+    assert part in message, message
+  assert info.value.__cause__ is error
+  reopened = train_lib.Checkpointer(directory)
+  assert reopened.latest_step() == 1
+  restored = reopened.restore(state)
+  assert int(restored.step) == 1
+  for a, b in zip(jax.tree.leaves(restored.params),
+                  jax.tree.leaves(state.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # Space freed: the same step saves over what the failed write left.
+  reopened.save(state._replace(step=jnp.int32(2)))
+  assert reopened.latest_step() == 2
+  assert not [d for d in os.listdir(directory) if 'tmp' in d]
+  reopened.close()
+
+
+def test_other_errors_while_saving_are_not_called_a_full_disk(
+    tmp_path, monkeypatch, restore_save_noise_filters):
+  _, state = _state()
+  checkpointer = train_lib.Checkpointer(str(tmp_path / 'ckpt'))
+  _fill_disk(monkeypatch, 'arrays', ValueError('a bug, not the disk'))
+  with pytest.raises(ValueError, match='^a bug, not the disk$'):
+    checkpointer.save(state._replace(step=jnp.int32(1)))
+
+
+_TINY_DISK_SCRIPT = r'''
+import sys
+import jax.numpy as jnp, optax
+from absl import logging
+from flax import nnx
+from capsjax import train_lib
+
+logging.set_verbosity(logging.WARNING)  # as the experiments run
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(100, 300, rngs=rngs)  # about 120 KB a checkpoint
+graphdef, state = train_lib.init_train_state(Net(nnx.Rngs(0)), optax.adam(0.1))
+checkpointer = train_lib.Checkpointer(sys.argv[1])
+checkpointer.save(state._replace(step=jnp.int32(1)))
+try:
+  checkpointer.save(state._replace(step=jnp.int32(2)))
+except OSError as e:
+  print(f'error: {e}')
+print('latest', checkpointer.latest_step())
+print('restored', int(checkpointer.restore(state).step))
+'''
+
+
+def test_really_full_disk_on_a_tiny_tmpfs(tmp_path):
+  """A 250 KB tmpfs that holds one checkpoint but not two: tensorstore's
+  real error, one clear message, no stack traces. Needs a mount namespace
+  (root, or unprivileged user namespaces); skipped where there is none."""
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  mount = f'mount -t tmpfs -o size=250k tmpfs {disk}'
+  probe = subprocess.run(['unshare', '-rm', 'sh', '-c', mount],
+                         capture_output=True, text=True, check=False)
+  if probe.returncode:
+    pytest.skip(f'cannot mount a tmpfs here: {probe.stderr.strip()}')
+  result = subprocess.run(
+      ['unshare', '-rm', 'sh', '-c',
+       f'{mount} && exec "{sys.executable}" -c "$0" {disk}/ckpt',
+       _TINY_DISK_SCRIPT],
+      capture_output=True, text=True, timeout=300, cwd=os.path.dirname(
+          os.path.dirname(os.path.abspath(__file__))),
+      env=os.environ | {'JAX_PLATFORMS': 'cpu'})
+  assert result.returncode == 0, result.stdout + result.stderr
+  lines = result.stdout.splitlines()
+  assert lines[0].startswith('error: saving the checkpoint of step 2 to '
+                             f'{disk}/ckpt failed'), result.stdout
+  assert 'No space left on device' in lines[0]
+  assert 'previous checkpoint is intact' in lines[0]
+  assert lines[1:] == ['latest 1', 'restored 1'], result.stdout
+  noise = [line for line in result.stderr.splitlines()
+           if not line.startswith(('I0', 'W0'))]  # C++ log lines of jax
+  assert not noise, result.stderr
+
+
+@pytest.mark.parametrize('key,value,requirement', [
+    ('batch_size', 0, 'a positive int'),
+    ('num_train_steps', -5, 'a positive int'),
+    ('log_every_steps', 0, 'a positive int'),
+    ('checkpoint_every_steps', 2.5, 'a positive int'),
+    ('eval_every_steps', True, 'a positive int'),
+    ('lr_decay_steps', 0, 'a positive int'),
+    ('learning_rate', 0.0, 'a finite number > 0'),
+    ('learning_rate', float('nan'), 'a finite number > 0'),
+    ('lr_decay_rate', -1.0, 'a finite number > 0'),
+    ('seed', -1, 'an int >= 0'),
+    ('max_shift', -2, 'an int >= 0'),
+    ('max_train_seconds', -1, '> 0 (or 0: no limit)'),
+    ('num_devices', 10**6, 'an int from 0 (all devices) to'),
+    ('debug_poison_step', 1.5, 'an int (-1: off)'),
+])
+def test_check_config_names_the_key_and_what_it_must_be(key, value,
+                                                        requirement):
+  from experiments.configs import common
+  config = ml_collections.ConfigDict(common.base_config().to_dict(),
+                                     type_safe=False)
+  train_lib.check_config(config)  # the defaults pass
+  config[key] = value
+  with pytest.raises(ValueError) as info:
+    train_lib.check_config(config)
+  assert str(info.value).startswith(
+      f'config.{key} must be {requirement}'), info.value
+  assert f'got {value!r}' in str(info.value)
+
+
+def test_mixed_precision_step_runs_bfloat16_on_float32_master_weights():
+  """bfloat16 forward, float32 gradients and update close to float32's."""
+  model = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (32, 16))
+  y = jax.random.normal(jax.random.key(2), (32, 4))
+  optimizer = optax.sgd(0.1)
+  seen = []
+
+  def loss_fn(m):
+    seen.append(m.kernel[...].dtype)
+    out = m(x.astype(m.kernel[...].dtype)).astype(jnp.float32)
+    return jnp.mean(jnp.square(out - y)), {}
+
+  results = {}
+  for name in ('float32', 'bfloat16'):
+    dtype = train_lib.compute_dtype(ml_collections.ConfigDict(
+        {'compute_dtype': name}))
+    graphdef, state = train_lib.init_train_state(model, optimizer)
+    new_state, metrics = train_lib.gradient_step(graphdef, state, optimizer,
+                                                 loss_fn, dtype)
+    results[name] = (state, new_state, metrics)
+  assert seen == [jnp.float32, jnp.bfloat16]
+  (start, f32, m32), (_, bf16, m16) = results['float32'], results['bfloat16']
+  for leaf in jax.tree.leaves(bf16.params):
+    assert leaf.dtype == jnp.float32  # master weights stay float32
+  assert m16['loss'].dtype == jnp.float32
+  np.testing.assert_allclose(m16['loss'], m32['loss'], rtol=2e-2)
+  update32 = [a - b for a, b in zip(jax.tree.leaves(f32.params),
+                                    jax.tree.leaves(start.params),
+                                    strict=True)]
+  update16 = [a - b for a, b in zip(jax.tree.leaves(bf16.params),
+                                    jax.tree.leaves(start.params),
+                                    strict=True)]
+  for u32, u16 in zip(update32, update16, strict=True):
+    cosine = jnp.sum(u32 * u16) / (jnp.linalg.norm(u32) * jnp.linalg.norm(u16))
+    assert cosine > 0.99
+    assert not np.array_equal(u32, u16)  # the forward really ran in bfloat16
+
+
+def test_compute_dtype_rejects_unknown_names():
+  with pytest.raises(ValueError, match='compute_dtype must be one of'):
+    train_lib.compute_dtype(ml_collections.ConfigDict({'compute_dtype': 'fp8'}))

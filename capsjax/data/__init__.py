@@ -23,6 +23,7 @@ from capsjax.data.smallnorb import smallnorb_eval_preprocess
 from capsjax.data.smallnorb import smallnorb_multicrop
 from capsjax.data.smallnorb import smallnorb_train_preprocess
 from capsjax.data.smallnorb import write_norb_matrix
+from capsjax.data.two_digits import side_by_side_pairs
 
 __all__ = (
     'DataError',
@@ -38,6 +39,7 @@ __all__ = (
     'read_idx',
     'read_norb_matrix',
     'shift',
+    'side_by_side_pairs',
     'smallnorb_eval_preprocess',
     'smallnorb_multicrop',
     'smallnorb_train_preprocess',

@@ -61,6 +61,16 @@ def _loadmat(source, path: PathLike) -> dict:
                      f'({type(e).__name__}: {e})', _FIX) from e
 
 
+def _whole_numbers_in(values: np.ndarray, low: int, high: int) -> bool:
+  """Every entry of the real array ``values`` is an integer in [low, high]."""
+  if not (np.issubdtype(values.dtype, np.integer) or
+          np.issubdtype(values.dtype, np.floating) or values.dtype == bool):
+    return False
+  with np.errstate(invalid='ignore'):  # NaN compares False: rejected
+    return bool(np.all((values >= low) & (values <= high) &
+                       (values == np.floor(values))))
+
+
 def read_affnist_mat(path: PathLike) -> Split:
   """Reads one release file (``.mat``, or a ``.zip`` holding one ``.mat``).
 
@@ -71,12 +81,17 @@ def read_affnist_mat(path: PathLike) -> Split:
     DataError: not a .mat file, no ``affNISTdata`` struct, or bad shapes.
   """
   if os.fspath(path).endswith('.zip'):
-    with zipfile.ZipFile(path) as archive:
-      names = [n for n in archive.namelist() if n.endswith('.mat')]
-      if len(names) != 1:
-        raise data_error(path, f'expected one .mat file in the zip, found '
-                         f'{names}', _FIX)
-      mat = _loadmat(io.BytesIO(archive.read(names[0])), path)
+    try:
+      with zipfile.ZipFile(path) as archive:
+        names = [n for n in archive.namelist() if n.endswith('.mat')]
+        content = archive.read(names[0]) if len(names) == 1 else None
+    except Exception as e:  # zipfile raises many kinds on corrupt archives
+      raise data_error(path, f'not a readable zip file ({type(e).__name__}: '
+                       f'{e})', _FIX) from e
+    if content is None:
+      raise data_error(path, f'expected one .mat file in the zip, found '
+                       f'{names}', _FIX)
+    mat = _loadmat(io.BytesIO(content), path)
   else:
     mat = _loadmat(path, path)
   if STRUCT not in mat:
@@ -98,8 +113,13 @@ def read_affnist_mat(path: PathLike) -> Split:
   if len(label) != image.shape[1]:
     raise data_error(path, f'{len(label)} labels for {image.shape[1]} '
                      'images', _FIX)
-  if len(label) and (label.min() < 0 or label.max() > 9):
-    raise data_error(path, 'labels outside 0-9', _FIX)
+  if not _whole_numbers_in(label, 0, 9):
+    raise data_error(path, f'labels outside 0-9 or not whole numbers '
+                     f'({label.dtype})', _FIX)
+  # Any other pixel value would wrap or round silently in the uint8 cast.
+  if not _whole_numbers_in(image, 0, 255):
+    raise data_error(path, f'pixels outside 0-255 or not whole numbers '
+                     f'({image.dtype}; the release has uint8)', _FIX)
   images = image.T.reshape(-1, IMAGE_SIZE, IMAGE_SIZE, 1)
   return Split(np.ascontiguousarray(images, np.uint8), label.astype(np.int32))
 

@@ -28,4 +28,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.max_train_seconds = 0
   # Number of local devices for data parallelism (0: all of them).
   config.num_devices = 0
+  # 'bfloat16': mixed precision (bfloat16 layers on a copy of the float32
+  # master weights; routing statistics, loss and update stay float32).
+  config.compute_dtype = 'float32'
+  # A test hook: the training batch of this step is replaced by NaN images
+  # (-1: off), to check that a poisoned batch stops the run cleanly.
+  config.debug_poison_step = -1
   return config

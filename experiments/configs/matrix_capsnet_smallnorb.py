@@ -9,7 +9,8 @@ files (smallnorb-5x46789x9x18x6x2x96x96-{training,testing}-{dat,cat,info}.mat,
 gz or not) in data_dir, or install capsjax[tfds] on a machine online.
 
 Variants: small (A=64, B=8, C=D=16: the 68K model), azimuth / elevation
-(novel-viewpoint splits), mono (one stereo image), smoke (tiny, for tests).
+(novel-viewpoint splits), paper (the paper's routing options), mono (one
+stereo image), smoke (tiny, for tests).
 """
 
 from experiments.configs import common
@@ -32,6 +33,8 @@ def get_config(variant: str = ''):
       config.model_options.D = 16
     elif part in ('azimuth', 'elevation'):
       config.viewpoint_split = part
+    elif part == 'paper':
+      matrix_capsnet_mnist.paper_routing(config)
     elif part == 'mono':
       config.stereo = False
       config.model_options.input_shape = (32, 32, 1)
@@ -48,5 +51,5 @@ def get_config(variant: str = ''):
       config.log_every_steps = 5
     else:
       raise ValueError(f'unknown variant {part!r} of matrix_capsnet_smallnorb; '
-                       f'known: small, azimuth, elevation, mono, smoke.')
+                       f'known: small, azimuth, elevation, paper, mono, smoke.')
   return config

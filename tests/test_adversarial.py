@@ -1,0 +1,332 @@
+"""FGSM and BIM against NumPy references, their invariants, the attack losses,
+``evaluate_attacks`` on small models, and the experiment end to end (smoke)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from capsjax import adversarial
+from capsjax import losses
+from capsjax import models
+from capsjax import robustness
+from experiments.configs import adversarial as adversarial_config
+from tests import conftest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
+needs_mnist = pytest.mark.skipif(
+    not os.path.exists(os.path.join(MNIST, 't10k-images-idx3-ubyte.gz')),
+    reason='../shared/data/mnist not present')
+
+B, H, W, C, K = 8, 5, 4, 1, 3
+
+
+@pytest.fixture(scope='module')
+def problem():
+  """Images in [0, 1] (some pixels at 0 and 1), labels, a linear classifier."""
+  rng = np.random.default_rng(0)
+  images = rng.uniform(0, 1, (B, H, W, C)).astype(np.float32)
+  images[:, 0, 0] = 0.0
+  images[:, 1, 1] = 1.0
+  labels = rng.integers(0, K, B).astype(np.int32)
+  weights = rng.normal(0, 1, (H * W * C, K)).astype(np.float32)
+  bias = rng.normal(0, 1, K).astype(np.float32)
+  return images, labels, weights, bias
+
+
+def linear_ce(weights, bias):
+  """Per-example softmax cross-entropy of a linear classifier (JAX)."""
+  def loss_fn(x, y):
+    logits = x.reshape(x.shape[0], -1) @ weights + bias[None]
+    return losses.cross_entropy_loss(logits, y)
+  return loss_fn
+
+
+def numpy_ce_gradient(x, y, weights, bias):
+  """d CE / d x of logits = x W + b, float64: (softmax - onehot) W^T."""
+  x = x.astype(np.float64)
+  logits = x.reshape(len(x), -1) @ weights.astype(np.float64) + bias
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  p[np.arange(len(y)), y] -= 1.0
+  return (p @ weights.T.astype(np.float64)).reshape(x.shape)
+
+
+def numpy_bim(x, y, weights, bias, eps, step, steps):
+  x0 = x.astype(np.float64)
+  x = x0.copy()
+  for _ in range(steps):
+    x = x + step * np.sign(numpy_ce_gradient(x, y, weights, bias))
+    x = np.clip(np.clip(x, x0 - eps, x0 + eps), 0.0, 1.0)
+  return x
+
+
+def test_fgsm_is_eps_times_sign_of_gradient_clipped(problem):
+  """A loss linear in x with a per-example weight: grad_b = w[y_b] exactly."""
+  images, labels, _, _ = problem
+  w = np.random.default_rng(1).normal(0, 1, (K, H, W, C)).astype(np.float32)
+  w[:, 2, 2] = 0.0  # no gradient there: the pixel must not move
+  loss_fn = lambda x, y: jnp.sum(x * jnp.asarray(w)[y], axis=(1, 2, 3))
+  fgsm = jax.jit(adversarial.fgsm, static_argnums=0)
+  for eps in (0.0, 0.03, 0.3, 2.0):
+    out = fgsm(loss_fn, images, labels, eps)
+    expected = np.clip(images + np.float32(eps) * np.sign(w[labels]), 0, 1)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out[:, 2, 2], images[:, 2, 2])
+
+
+def test_fgsm_matches_numpy_on_a_linear_classifier(problem):
+  images, labels, weights, bias = problem
+  grad = numpy_ce_gradient(images, labels, weights, bias)
+  assert np.abs(grad).min() > 1e-4  # no sign is a rounding accident
+  loss_fn = linear_ce(weights, bias)
+  np.testing.assert_allclose(
+      adversarial.input_gradient(loss_fn, images, labels), grad, rtol=1e-4,
+      atol=1e-6)
+  for eps in (0.05, 0.2):
+    out = jax.jit(adversarial.fgsm, static_argnums=0)(loss_fn, images, labels,
+                                                      eps)
+    np.testing.assert_allclose(out, np.clip(images + eps * np.sign(grad), 0, 1),
+                               atol=1e-7)
+    # A first-order step on a loss convex in x raises it.
+    assert np.all(loss_fn(out, labels) > loss_fn(images, labels))
+
+
+@pytest.mark.parametrize('eps,step,steps', [(0.1, 0.02, 10), (0.3, 0.05, 8),
+                                            (0.05, 0.1, 3)])
+def test_bim_matches_numpy_on_a_linear_classifier(problem, eps, step, steps):
+  images, labels, weights, bias = problem
+  out = adversarial.bim(linear_ce(weights, bias), images, labels, eps,
+                        step_size=step, num_steps=steps)
+  np.testing.assert_allclose(
+      out, numpy_bim(images, labels, weights, bias, eps, step, steps),
+      atol=1e-6)
+
+
+def _mlp_loss():
+  """A small nonlinear classifier: tanh MLP, cross-entropy."""
+  rng = np.random.default_rng(2)
+  w1 = jnp.asarray(rng.normal(0, 1, (H * W * C, 16)), jnp.float32)
+  w2 = jnp.asarray(rng.normal(0, 1, (16, K)), jnp.float32)
+  return lambda x, y: losses.cross_entropy_loss(
+      jnp.tanh(x.reshape(x.shape[0], -1) @ w1) @ w2, y)
+
+
+@pytest.mark.parametrize('eps', [0.0, 0.01, 0.1, 0.3])
+def test_bim_stays_in_the_eps_ball_and_the_unit_box(problem, eps):
+  images, labels, _, _ = problem
+  out = np.asarray(adversarial.bim(_mlp_loss(), images, labels, eps,
+                                   step_size=0.07, num_steps=12))
+  assert np.all(np.abs(out - images) <= eps + 1e-6)
+  assert out.min() >= 0.0 and out.max() <= 1.0
+  if eps == 0.0:
+    np.testing.assert_array_equal(out, images)
+  else:
+    # It moves, and many pixels reach the ball's boundary.
+    distance = np.abs(out - images)
+    inside = (images > eps) & (images < 1 - eps)
+    assert np.mean(np.isclose(distance[inside], eps, atol=1e-6)) > 0.5
+
+
+def test_bim_reaches_the_fgsm_corner_for_a_linear_loss(problem):
+  """For a loss linear in x the best point of the ball is FGSM's corner."""
+  images, labels, _, _ = problem
+  w = jnp.asarray(np.random.default_rng(3).normal(0, 1, (H, W, C)), jnp.float32)
+  loss_fn = lambda x, y: jnp.sum(x * w[None], axis=(1, 2, 3))
+  for eps in (0.05, 0.2):
+    out = adversarial.bim(loss_fn, images, labels, eps, step_size=0.03,
+                          num_steps=10)
+    np.testing.assert_allclose(
+        out, adversarial.fgsm(loss_fn, images, labels, eps), atol=1e-6)
+
+
+def test_zero_epsilon_returns_the_input(problem):
+  images, labels, _, _ = problem
+  for name in adversarial.ATTACKS:
+    out = adversarial.attack(name, _mlp_loss(), images, labels, 0.0)
+    np.testing.assert_array_equal(out, images)
+
+
+def test_one_compilation_for_every_epsilon(problem):
+  images, labels, weights, bias = problem
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def run(x, y, eps):
+    return adversarial.bim(linear_ce(weights, bias), x, y, eps, step_size=0.01,
+                           num_steps=3)
+
+  for eps in (0.0, 0.1, 0.2):
+    run(images, labels, jnp.float32(eps))
+
+
+def test_attack_losses():
+  rng = np.random.default_rng(4)
+  labels = jnp.asarray(rng.integers(0, K, B))
+  lengths = jnp.asarray(rng.uniform(0.01, 0.99, (B, K)), jnp.float32)
+  logits = jnp.asarray(rng.normal(0, 2, (B, K)), jnp.float32)
+  one_hot = jax.nn.one_hot(labels, K)
+  cases = [
+      ({'logits': logits}, losses.cross_entropy_loss(logits, labels)),
+      ({'lengths': lengths, 'reconstructions': jnp.zeros((B, 4))},
+       losses.margin_loss(lengths, one_hot)),
+      ({'scores': lengths},
+       losses.margin_loss(lengths, one_hot, negative_weight=0.25)),
+      ({'activations': lengths}, losses.spread_loss(lengths, labels, 0.7)),
+  ]
+  for outputs, expected in cases:
+    np.testing.assert_allclose(
+        adversarial.attack_loss(outputs, labels, spread_margin=0.7), expected,
+        rtol=1e-6)
+  log_odds = np.log(lengths) - np.log1p(-np.asarray(lengths))
+  np.testing.assert_allclose(
+      adversarial.attack_loss({'lengths': lengths}, labels,
+                              kind='cross_entropy'),
+      losses.cross_entropy_loss(log_odds, labels), rtol=1e-5)
+  with pytest.raises(ValueError, match='unknown attack loss'):
+    adversarial.attack_loss({'logits': logits}, labels, kind='hinge')
+  with pytest.raises(ValueError, match='unknown attack'):
+    adversarial.attack('pgd', _mlp_loss(), jnp.zeros((1, H, W, C)),
+                       jnp.zeros(1, jnp.int32), 0.1)
+
+
+class _Linear(nnx.Module):
+  """A linear classifier as a capsjax model: 'logits' or capsule-like 'lengths'."""
+
+  def __init__(self, weights, bias, output):
+    self.weights = nnx.Param(jnp.asarray(weights))
+    self.bias = nnx.Param(jnp.asarray(bias))
+    self.output = output
+
+  def __call__(self, x, labels=None, *, train=False):
+    logits = x.reshape(x.shape[0], -1) @ self.weights + self.bias[None]
+    if self.output == 'logits':
+      return {'logits': logits}
+    return {'lengths': jax.nn.sigmoid(logits)}
+
+
+def test_evaluate_attacks_against_numpy(problem):
+  images, labels, weights, bias = problem
+  model = _Linear(weights, bias, 'logits')
+  epsilons = (0.0, 0.05, 0.2)
+  out = adversarial.evaluate_attacks(
+      model, images, labels, epsilons, step_size=0.02, num_steps=5,
+      batch_size=3)  # 8 images: the last batch is padded
+  predict = lambda x: np.argmax(x.reshape(B, -1) @ weights + bias, -1)
+  clean = np.mean(predict(images) == labels)
+  assert out['clean_accuracy'] == clean
+  assert out['fgsm'][0] == out['bim'][0] == clean
+  grad = numpy_ce_gradient(images, labels, weights, bias)
+  for e, eps in enumerate(epsilons):
+    fgsm = np.clip(images + eps * np.sign(grad), 0, 1)
+    assert out['fgsm'][e] == np.mean(predict(fgsm) == labels)
+    bim = numpy_bim(images, labels, weights, bias, eps, 0.02, 5)
+    assert out['bim'][e] == np.mean(predict(bim) == labels)
+  assert out['zero_gradient_fraction'] == 0.0
+
+
+def test_margin_loss_saturation_shows_as_zero_gradients(problem):
+  """Examples beyond both margins give the margin loss no gradient."""
+  images, labels, _, _ = problem
+  # |x W| <= 0.2: the bias decides every length.
+  weights = np.random.default_rng(6).uniform(-0.01, 0.01, (H * W * C, K))
+  weights = weights.astype(np.float32)
+  target = np.zeros(B, np.int32)
+  bias = np.full(K, -8.0, np.float32)  # every length < 0.001
+  model = _Linear(weights, bias, 'lengths')
+  out = adversarial.evaluate_attacks(model, images, target, (0.0, 0.1),
+                                     num_steps=2)
+  assert out['zero_gradient_fraction'] == 0.0  # class 0 is below 0.9: a push
+  bias = np.array([8.0, -8.0, -8.0], np.float32)  # class 0 above 0.9
+  model = _Linear(weights, bias, 'lengths')
+  out = adversarial.evaluate_attacks(model, images, target, (0.0, 0.1),
+                                     num_steps=2)
+  assert out['zero_gradient_fraction'] == 1.0
+  assert out['fgsm'] == [1.0, 1.0] and out['bim'] == [1.0, 1.0]
+  out = adversarial.evaluate_attacks(model, images, target, (0.0, 0.1),
+                                     num_steps=2, kind='cross_entropy')
+  assert out['zero_gradient_fraction'] == 0.0
+
+
+@pytest.mark.slow
+def test_evaluate_attacks_on_capsule_models():
+  """Every family's model runs through both attacks with finite results."""
+  rng = np.random.default_rng(5)
+  images = rng.integers(0, 256, (4, 28, 28, 1), dtype=np.uint8)
+  labels = rng.integers(0, 10, 4)
+  for name, options in (
+      ('capsnet', dict(conv1_channels=8, primary_types=4,
+                       decoder_widths=(8, 8))),
+      ('matrix_capsnet', dict(input_shape=(28, 28, 1), num_classes=10, A=8,
+                              B=2, C=2, D=2))):
+    model = models.create_model(name, rngs=nnx.Rngs(0), **options)
+    out = adversarial.evaluate_attacks(model, images, labels, (0.0, 0.2),
+                                       num_steps=2, spread_margin=0.9)
+    assert out['fgsm'][0] == out['bim'][0] == out['clean_accuracy']
+    assert out['zero_gradient_fraction'] < 1.0, name
+
+
+def test_config_checks():
+  config = adversarial_config.get_config()
+  robustness.check_config(config)
+  assert config.epsilons == (0.0, 0.05, 0.1, 0.2, 0.3)
+  # BIM can reach the largest epsilon.
+  assert config.bim_steps * config.bim_step_size >= max(config.epsilons)
+  for key, value, match in (('attacks', ('fgsm', 'cw'), 'config.attacks'),
+                            ('epsilons', (0.1, 2.0), 'config.epsilons'),
+                            ('loss', 'hinge', 'config.loss'),
+                            ('bim_steps', -1, 'config.bim_steps')):
+    bad = adversarial_config.get_config()
+    bad[key] = value
+    with pytest.raises(ValueError, match=match):
+      robustness.check_config(bad)
+  with pytest.raises(ValueError, match='unknown variant'):
+    adversarial_config.get_config('nonsense')
+
+
+def _run(*args):
+  return subprocess.run(
+      [sys.executable, '-m', 'experiments.adversarial', *args], cwd=REPO,
+      capture_output=True, text=True, timeout=900, env=conftest.training_env())
+
+
+def test_help_and_bad_flags(tmp_path):
+  result = _run('--help')
+  assert result.returncode in (0, 1), result.stderr
+  for text in ('--workdir', '--models', '--config', 'bim_steps'):
+    assert text in result.stdout, text
+  for bad in ('--bogus=1', '--config.bim_stepz=3', '--config.loss=hinge',
+              f'--models={tmp_path / "missing"}', ''):
+    args = [f'--workdir={tmp_path / "out"}'] + ([bad] if bad else [])
+    result = _run(*args)
+    assert result.returncode == 2, (bad, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error:'), result.stderr
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_smoke_trains_attacks_and_writes_table_and_plot(tmp_path):
+  result = _run(f'--workdir={tmp_path}',
+                '--config=experiments/configs/adversarial.py:smoke',
+                '--config.data_dir=' + MNIST)
+  assert result.returncode == 0, result.stdout + result.stderr
+  summary = json.load(open(tmp_path / 'summary.json'))
+  assert summary['epsilons'] == [0.0, 0.1, 0.3]
+  assert set(summary['models']) == {'capsnet', 'baseline_cnn'}
+  for row in summary['models'].values():
+    for attack in ('fgsm', 'bim'):
+      assert len(row[attack]) == 3
+      assert row[attack][0] == row['clean_accuracy']
+      assert all(0.0 <= a <= 1.0 for a in row[attack])
+    assert row['test_accuracy_full_test_set'] is not None
+  with open(tmp_path / 'accuracy_vs_epsilon.png', 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
