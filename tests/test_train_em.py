@@ -115,7 +115,9 @@ def test_small_em_model_reaches_92_percent_on_mnist_in_5_minutes(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   summary = json.load(open(tmp_path / 'summary.json'))
   print(json.dumps(summary, indent=1))
-  assert summary['steps'] == matrix_capsnet_mnist.get_config(
+  # All 600 steps on an idle 2-core machine; the 280 s guard may stop a
+  # slower one earlier.
+  assert 400 <= summary['steps'] <= matrix_capsnet_mnist.get_config(
       'smoke').num_train_steps
   assert summary['num_devices'] == 2
   assert summary['train_wall_s_this_run'] < 300, summary

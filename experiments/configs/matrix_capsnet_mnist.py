@@ -68,6 +68,8 @@ def get_config(variant: str = ''):
       config.model_options.C = 8
       config.model_options.D = 8
       config.num_train_steps = 600
+      # A guard for slower machines: stop (and evaluate) after 280 s.
+      config.max_train_seconds = 280
       config.max_shift = 0
       config.batch_size = 32
       config.learning_rate = 1e-2
