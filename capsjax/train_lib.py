@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -319,7 +320,14 @@ def _quiet_failed_save():
   for logger in loggers:
     logger.addFilter(noise)
   sys.unraisablehook = _drop_closed_loop_errors(previous_hook)
-  yield  # an exception propagates from here, leaving the filters in place
+  try:
+    yield
+  except BaseException:
+    # The aborted write coroutines are collected later, as late as
+    # interpreter shutdown, each warning that it was never awaited.
+    warnings.filterwarnings('ignore', message=r"coroutine '.*' was never "
+                            r'awaited', category=RuntimeWarning)
+    raise  # leaving the filters in place
   for logger in loggers:
     logger.removeFilter(noise)
   sys.unraisablehook = previous_hook
