@@ -186,12 +186,21 @@ def dynamic_routing(
     logits = state.logits + agreement if accumulate else agreement
     return DynamicRoutingState(logits, outputs)
 
-  batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]
-  # The loop carry has the compute dtype (float64 under jax_enable_x64).
-  init = DynamicRoutingState(
-      logits=jnp.zeros(batch_shape + (num_in, num_out), votes32.dtype),
-      outputs=jnp.zeros(batch_shape + (num_out, dim), votes32.dtype))
-  state = jax.lax.fori_loop(0, num_iterations - 1, step, init,
+  batch_shape, (num_in, num_out) = votes.shape[:-3], votes.shape[-3:-1]
+  # The first iteration's coupling, softmax(b = 0), is uniform: 1/O, or
+  # 1/(O + 1) with the orphan logit. It is written as that number: XLA:CPU
+  # constant-folds a softmax of zeros at compile time, which took 1-29 s
+  # per [B, I, O] softmax here (BENCHMARKS.md).
+  uniform = 1.0 / (num_out + int(leaky))
+  coupling = jnp.full(batch_shape + (num_in, num_out), uniform, votes32.dtype)
+  outputs = _route_votes(votes32, coupling, bias32, squash_constant)
+  if num_iterations == 1:
+    return outputs.astype(out_dtype), coupling
+  # b = 0 + <u_hat, v> in both update rules. The loop carry has the compute
+  # dtype (float64 under jax_enable_x64).
+  state = DynamicRoutingState(
+      jnp.einsum('...iod,...od->...io', votes32, outputs), outputs)
+  state = jax.lax.fori_loop(0, num_iterations - 2, step, state,
                             unroll=UNROLL_ITERATIONS)
   coupling = coupling_coefficients(state.logits, leaky=leaky)
   outputs = _route_votes(votes32, coupling, bias32, squash_constant)

@@ -754,6 +754,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
       'train_wall_s_this_run': train_seconds,
       'batch_size': config.batch_size,
       **environment(),
+      'num_devices': mesh.size,  # those trained on, not all there are
   }
   write_json_atomic(os.path.join(workdir, 'summary.json'), summary)
   print(json.dumps({'test_accuracy': test.get('accuracy'),

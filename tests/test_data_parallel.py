@@ -1,0 +1,125 @@
+"""Data parallelism: 1, 2, 4 and 8 forced CPU devices train the same model.
+
+Both training loops run a few steps of a tiny CapsNet and a tiny matrix-capsule
+model with ``num_devices`` = 1, 2, 4, 8 on one process with 8 forced host
+devices. The batch is split over the devices and the gradients are reduced
+across them, so only the summation order differs: the parameters must agree
+to float32 rounding, not bit for bit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import conftest
+from tests.test_train_dynamic import TINY
+from tests.test_train_dynamic import TINY_OPTIONS
+from tests.test_train_dynamic import write_tiny_mnist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_DRIVER = r'''
+import json, os, sys
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+import jax
+import numpy as np
+from flax import nnx
+from capsjax import train_dynamic, train_em, train_lib
+from experiments.configs import capsnet_mnist, matrix_capsnet_mnist
+
+family, data_dir, workdir, options, settings = sys.argv[1:]
+assert jax.device_count() == 8, jax.devices()
+if family == 'capsnet':
+  base, train = capsnet_mnist.get_config('smoke'), train_dynamic
+else:
+  base, train = matrix_capsnet_mnist.get_config('smoke'), train_em
+base.model_options.update(json.loads(options))
+base.update(json.loads(settings))
+base.data_dir = data_dir
+
+params, losses, curves = {}, {}, {}
+for n in (1, 2, 4, 8):
+  config = base.copy_and_resolve_references()
+  config.num_devices = n
+  summary = train.train_and_evaluate(config, f'{workdir}/{n}')
+  assert summary['num_devices'] == n, summary
+  model = train_lib.load_trained_model(f'{workdir}/{n}', which='latest')
+  params[n] = [np.asarray(x) for x in
+               jax.tree.leaves(nnx.state(model, nnx.Param))]
+  losses[n] = summary['test']['loss']
+  with open(f'{workdir}/{n}/metrics.jsonl') as f:
+    records = [json.loads(line) for line in f]
+  curves[n] = [[r['train/loss'], r['train/grad_norm']] for r in records
+               if 'train/loss' in r]
+scale = max(float(np.max(np.abs(p))) for p in params[1])
+init = [np.asarray(x) for x in jax.tree.leaves(
+    nnx.state(train_lib.create_model(base), nnx.Param))]
+print(json.dumps({
+    'max_param_diff': {n: max(float(np.max(np.abs(a - b))) for a, b in
+                              zip(params[1], params[n], strict=True))
+                       for n in (2, 4, 8)},
+    'max_param': scale,
+    'trained_minus_init': max(float(np.max(np.abs(a - b))) for a, b in
+                              zip(params[1], init, strict=True)),
+    'test_loss': losses,
+    'train_loss_and_grad_norm': curves}))
+'''
+
+
+def _assert_same_training(result, param_tolerance):
+  """The training loss and the gradient norm of the first step agree to float32
+  rounding (a gradient summed instead of averaged over the devices, or not
+  reduced across them, changes the norm), later steps closely; so do the final
+  test losses; the
+  parameters agree within ``param_tolerance`` (relative to the largest
+  weight), far less than training moved them."""
+  curves = result['train_loss_and_grad_norm']
+  assert len(curves['1']) == _STEPS['num_train_steps'], result
+  for n in ('2', '4', '8'):
+    # The first step starts from the same weights: rounding only. Later
+    # steps also inherit the weights' differences.
+    np.testing.assert_allclose(curves[n][0], curves['1'][0], rtol=1e-5,
+                               err_msg=f'{n} devices')
+    np.testing.assert_allclose(curves[n], curves['1'], rtol=1e-3,
+                               err_msg=f'{n} devices')
+  losses = list(result['test_loss'].values())
+  np.testing.assert_allclose(losses, losses[0], rtol=1e-5)
+  tolerance = param_tolerance * max(1.0, result['max_param'])
+  assert result['trained_minus_init'] > 10 * tolerance, result
+  for n, diff in result['max_param_diff'].items():
+    assert diff < tolerance, (n, result)
+
+
+def _train_on_1_2_4_8_devices(tmp_path, family, options, settings):
+  data_dir = str(tmp_path / 'data')
+  write_tiny_mnist(data_dir, num_train=160, num_test=32)
+  out = subprocess.run(
+      [sys.executable, '-c', _DRIVER, family, data_dir, str(tmp_path / 'w'),
+       json.dumps(options), json.dumps(settings)],
+      cwd=REPO, capture_output=True, text=True, timeout=900,
+      env=conftest.training_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# Batch 16 splits over 8 devices; 4 steps of Adam move every weight.
+_STEPS = dict(TINY, batch_size=16, num_train_steps=4, eval_every_steps=4,
+              checkpoint_every_steps=4, validation_size=32, eval_batch_size=32)
+
+
+def test_capsnet_trains_identically_on_1_2_4_8_devices(tmp_path):
+  _assert_same_training(_train_on_1_2_4_8_devices(
+      tmp_path, 'capsnet', TINY_OPTIONS, _STEPS), param_tolerance=1e-5)
+
+
+def test_matrix_capsnet_trains_identically_on_1_2_4_8_devices(tmp_path):
+  _assert_same_training(_train_on_1_2_4_8_devices(
+      tmp_path, 'matrix_capsnet', dict(A=8, B=4, C=4, D=4), _STEPS),
+      # Adam scales each weight's step by its gradient's own size, so weights
+      # whose gradients are at rounding level (saturated EM activations) move
+      # further than the rest on rounding noise (up to +-lr, 1e-2, per step).
+      param_tolerance=3e-4)
