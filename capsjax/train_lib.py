@@ -200,9 +200,63 @@ def count_params(params) -> int:
 # Data parallelism: one mesh axis 'data' over all local devices.
 
 
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+  """Join a multi-process run: ``jax.distributed.initialize`` with these
+  arguments (None: detected from SLURM, Open MPI, Kubernetes or a TPU pod).
+  Call it first, before anything touches a device. Every process then runs
+  the same program; the mesh of ``fit`` spans the devices of all of them."""
+  # CPU processes reduce across each other with gloo; GPUs ignore the option.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes,
+                             process_id=process_id)
+
+
+def is_chief() -> bool:
+  """Whether this process writes the run's files (process 0)."""
+  return jax.process_index() == 0
+
+
+def _all_agree(flag: bool) -> bool:
+  """Process 0's ``flag`` on every process (clocks differ; loops must not)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def make_mesh(num_devices: int | None = None) -> Mesh:
-  devices = jax.local_devices()[:num_devices]
+  """One 'data' axis over the first ``num_devices`` local devices (all when
+  None), or over every device of every process in a multi-process run."""
+  devices = (jax.devices() if jax.process_count() > 1 else
+             jax.local_devices()[:num_devices])
   return Mesh(np.asarray(devices), ('data',))
+
+
+def on_mesh(array, sharding: NamedSharding) -> jax.Array:
+  """A host array (the same on every process) placed with ``sharding``."""
+  return jax.device_put(np.asarray(array), sharding)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take(array: jax.Array, indices: jax.Array, sharding: NamedSharding
+          ) -> jax.Array:
+  return jax.lax.with_sharding_constraint(array[indices], sharding)
+
+
+def take_batch(array: jax.Array, indices: np.ndarray, mesh: Mesh
+               ) -> jax.Array:
+  """``array[indices]`` split over the mesh's data axis.
+
+  Args:
+    array: [N, ...] replicated on the mesh.
+    indices: [B] host ints, the same on every process.
+  Returns:
+    [B, ...] sharded along B.
+  """
+  return _take(array, on_mesh(indices, replicated(mesh)), batch_sharded(mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -340,7 +394,8 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     try:
       os.makedirs(self.directory, exist_ok=True)
-      probe = os.path.join(self.directory, '.write_test')
+      probe = os.path.join(self.directory,
+                           f'.write_test.{jax.process_index()}')
       with open(probe, 'w') as f:
         f.write('ok')
       os.remove(probe)
@@ -393,15 +448,21 @@ class Checkpointer:
 
 
 class MetricWriter:
-  """Scalars to TensorBoard (``workdir/tensorboard``) and ``metrics.jsonl``."""
+  """Scalars to TensorBoard (``workdir/tensorboard``) and ``metrics.jsonl``;
+  nothing on the other processes of a multi-process run."""
 
   def __init__(self, workdir: str):
+    self._enabled = is_chief()
+    if not self._enabled:
+      return
     from tensorboardX import SummaryWriter  # a heavy import: only when training
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
     self._workdir = workdir
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    if not self._enabled:
+      return
     for name, value in scalars.items():
       self._tb.add_scalar(name, value, step)
     try:
@@ -415,8 +476,9 @@ class MetricWriter:
     self._tb.flush()
 
   def close(self) -> None:
-    self._tb.close()
-    self._jsonl.close()
+    if self._enabled:
+      self._tb.close()
+      self._jsonl.close()
 
 
 class Progress:
@@ -427,7 +489,8 @@ class Progress:
     interactive = sys.stderr.isatty()
     self._bar = tqdm(total=total, initial=initial, unit='step',
                      dynamic_ncols=True, mininterval=0.5 if interactive else 30,
-                     disable=os.environ.get('CAPSJAX_NO_PROGRESS') == '1')
+                     disable=(os.environ.get('CAPSJAX_NO_PROGRESS') == '1' or
+                              not is_chief()))
     self._batch_size = batch_size
     self._last_time, self._last_step = time.perf_counter(), initial
 
@@ -456,6 +519,7 @@ def evaluate(eval_step: Callable, state: TrainState,
 
   ``eval_step(params, model_state, images, labels, mask)`` returns
   sums {'correct', 'loss', 'count'} over the masked examples.
+  ``images_on_device``: the split's images, replicated on ``mesh``.
   """
   num = len(split.labels)
   if num == 0:
@@ -464,15 +528,14 @@ def evaluate(eval_step: Callable, state: TrainState,
   batch_size = min(batch_size, -(-num // mesh.size) * mesh.size)
   batch_size = max(mesh.size, batch_size - batch_size % mesh.size)
   totals: dict[str, float] = {}
-  labels = jnp.asarray(split.labels)
   for start in range(0, num, batch_size):
     idx = np.arange(start, start + batch_size)
     mask = idx < num
     idx = np.minimum(idx, num - 1)
-    images = jax.device_put(images_on_device[idx], batch_sharded(mesh))
-    sums = eval_step(state.params, state.model_state, images,
-                     jax.device_put(labels[idx], batch_sharded(mesh)),
-                     jax.device_put(jnp.asarray(mask), batch_sharded(mesh)))
+    sums = eval_step(state.params, state.model_state,
+                     take_batch(images_on_device, idx, mesh),
+                     on_mesh(split.labels[idx], batch_sharded(mesh)),
+                     on_mesh(mask, batch_sharded(mesh)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
   count = totals.pop('count')
@@ -573,6 +636,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                                   config.canvas_size < 0):
     fail('canvas_size', 'an int >= 0 (0: no canvas)')
   num_devices = config.get('num_devices') or 0
+  if num_devices and jax.process_count() > 1:
+    fail('num_devices', '0 in a multi-process run (the mesh spans every '
+         'device of every process)')
   if not is_int(num_devices) or not 0 <= num_devices <= jax.local_device_count():
     fail('num_devices', f'an int from 0 (all devices) to '
          f'{jax.local_device_count()} (the local device count)')
@@ -607,7 +673,12 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  _save_config(config, workdir)
+  # In a multi-process run every process runs this; process 0 alone writes
+  # the run's files (orbax coordinates the checkpoints itself).
+  chief = is_chief()
+  say = print if chief else lambda *args, **kwargs: None
+  if chief:
+    _save_config(config, workdir)
   mesh = make_mesh(config.get('num_devices') or None)
   check_batch_size(config.batch_size, mesh)
   model = create_model(config)
@@ -622,8 +693,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   if checkpoints.latest_step() is not None:
     state = checkpoints.restore(state)
     start_step = int(state.step)
-    print(f'Resuming from the checkpoint of step {start_step} in {workdir}.',
-          flush=True)
+    say(f'Resuming from the checkpoint of step {start_step} in {workdir}.',
+        flush=True)
   best_record_path = os.path.join(workdir, 'best_validation.json')
   best_record = (json.load(open(best_record_path))
                  if os.path.exists(best_record_path) else None)
@@ -631,10 +702,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   reached = lambda record: bool(  # noqa: E731
       target and record and record['accuracy'] >= target)
 
-  train_images = jax.device_put(jnp.asarray(dataset.train.images),
-                                replicated(mesh))
-  train_labels = jax.device_put(jnp.asarray(dataset.train.labels),
-                                replicated(mesh))
+  train_images = on_mesh(dataset.train.images, replicated(mesh))
+  train_labels = on_mesh(dataset.train.labels, replicated(mesh))
   order = BatchOrder(len(dataset.train.labels), config.batch_size, config.seed)
   total_steps = config.num_train_steps
   data_key = jax.random.PRNGKey(config.seed + 2)
@@ -645,11 +714,11 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   train_step = jax.jit(functools.partial(steps.train_step, graphdef),
                        donate_argnums=0)
   eval_step = jax.jit(functools.partial(steps.eval_step, graphdef))
-  run_eval = lambda split, images: evaluate(  # noqa: E731
-      eval_step, state, split, images, config.eval_batch_size, mesh)
-  validation_images = jnp.asarray(dataset.validation.images)
+  run_eval = lambda split: evaluate(  # noqa: E731
+      eval_step, state, split, on_mesh(split.images, replicated(mesh)),
+      config.eval_batch_size, mesh)
 
-  print(f'{config.model}: {num_params:,} parameters; {dataset.name}: '
+  say(f'{config.model}: {num_params:,} parameters; {dataset.name}: '
         f'{len(dataset.train.labels)} train / {len(dataset.validation.labels)} '
         f'validation / {len(dataset.test.labels)} test; {total_steps} steps '
         f'of batch {config.batch_size} on {mesh.size} '
@@ -667,13 +736,13 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
       if steps.draws_batches:
         images, labels = train_images, train_labels
       else:
-        idx = jnp.asarray(order.indices(step))
-        images = jax.device_put(train_images[idx], batch_sharded(mesh))
-        labels = jax.device_put(train_labels[idx], batch_sharded(mesh))
+        idx = order.indices(step)
+        images = take_batch(train_images, idx, mesh)
+        labels = take_batch(train_labels, idx, mesh)
       if step == poison_step:  # a test hook: a batch of NaN images
-        images = jax.device_put(jnp.full(images.shape, jnp.nan, jnp.float32),
-                                images.sharding)
-      key = jax.random.fold_in(data_key, step)
+        images = on_mesh(np.full(images.shape, np.nan, np.float32),
+                         images.sharding)
+      key = on_mesh(jax.random.fold_in(data_key, step), replicated(mesh))
       t0 = time.perf_counter()
       state, metrics = train_step(state, images, labels, key)
       step += 1
@@ -682,7 +751,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - t0
         window_start, window_steps = time.perf_counter(), 0
-      last = step == total_steps or (deadline and time.time() > deadline)
+      last = step == total_steps or (
+          deadline is not None and _all_agree(time.time() > deadline))
       if last or not (step % config.log_every_steps and
                       step % config.eval_every_steps and
                       step % config.checkpoint_every_steps):
@@ -706,16 +776,17 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
                                'acc': scalars['train/accuracy']})
         window_start, window_steps = time.perf_counter(), 0
       if step % config.eval_every_steps == 0 or last:
-        val = run_eval(dataset.validation, validation_images)
+        val = run_eval(dataset.validation)
         if val:
           writer.write(step, {f'validation/{k}': v for k, v in val.items()})
           if best_record is None or val['accuracy'] > best_record['accuracy']:
             best_record = {'step': step, **val}
             best.save(state)
-            write_json_atomic(best_record_path, best_record)
+            if chief:
+              write_json_atomic(best_record_path, best_record)
           if reached(val):
             last = True
-            print(f'Validation accuracy {val["accuracy"]:.4f} reached the '
+            say(f'Validation accuracy {val["accuracy"]:.4f} reached the '
                   f'target {target} at step {step}; stopping.', flush=True)
         window_start = time.perf_counter()
       if step % config.checkpoint_every_steps == 0 or last:
@@ -730,8 +801,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   # Model selection on validation only; the test set is read once, here.
   if best_record is not None and best.latest_step() is not None:
     state = best.restore(state)
-  test = run_eval(dataset.test, jnp.asarray(dataset.test.images))
-  extra = {name: run_eval(split, jnp.asarray(split.images))
+  test = run_eval(dataset.test)
+  extra = {name: run_eval(split)
            for name, split in (extra_tests or {}).items()}
   checkpoints.close()
   best.close()
@@ -756,8 +827,9 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
       **environment(),
       'num_devices': mesh.size,  # those trained on, not all there are
   }
-  write_json_atomic(os.path.join(workdir, 'summary.json'), summary)
-  print(json.dumps({'test_accuracy': test.get('accuracy'),
+  if chief:
+    write_json_atomic(os.path.join(workdir, 'summary.json'), summary)
+  say(json.dumps({'test_accuracy': test.get('accuracy'),
                     'validation_accuracy': (best_record or {}).get('accuracy'),
                     'steps': step, 'images_per_s': images_per_s}), flush=True)
   return summary

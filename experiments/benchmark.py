@@ -51,7 +51,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -64,7 +63,6 @@ import ml_collections
 import numpy as np
 from absl import app
 from absl import flags
-from flax import nnx
 
 from capsjax import flops as flops_lib
 from capsjax import models
@@ -101,8 +99,8 @@ _NUM_ITERATIONS = flags.DEFINE_integer(
     'num_iterations', 3, 'Routing iterations of the --routing_only cases.')
 _SWEEP = flags.DEFINE_string(
     'sweep', '', 'KEY:V1,V2,...: one row per value. KEY is batch_size, '
-    'image_size (any model with an input_shape option, or the two-digit '
-    'models) or a model option such as num_iterations.')
+    'num_devices, image_size (any model with an input_shape option, or the '
+    'two-digit models) or a model option such as num_iterations.')
 _MODEL_OPTIONS = flags.DEFINE_multi_string(
     'model_option', [], 'KEY=VALUE model option override, repeatable (e.g. '
     'remat=True, votes_dtype=bfloat16).')
@@ -118,6 +116,10 @@ _BANDWIDTH_GBS = flags.DEFINE_float(
     'bandwidth_gbs', 0.0, 'Memory bandwidth GB/s for routing floors on a CPU '
     '(0: time a 256 MB elementwise copy at startup).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of parameters and inputs.')
+_NUM_DEVICES = flags.DEFINE_integer(
+    'num_devices', 1, 'Local devices the batch is split over (data '
+    'parallelism). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count'
+    '=N first makes N devices.', lower_bound=1)
 
 # Routing shapes of the paper models. (kind, votes shape given B)
 ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
@@ -216,67 +218,11 @@ def num_classes(config: ml_collections.ConfigDict) -> int:
 # Steps.
 
 
-def _cast_floats(tree, dtype):
-  return jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-      else x, tree)
-
-
-def mixed_precision_steps(config: ml_collections.ConfigDict, optimizer,
-                          dtype) -> train_lib.FamilySteps:
-  """Train/eval steps computing in ``dtype`` with float32 master parameters.
-
-  The family's own preprocessing and loss (without EM's weight decay, a
-  negligible term). Gradients are taken with respect to the low-precision
-  parameter copies and cast to float32 for the update, which is what
-  differentiating through the cast gives.
-  """
-  if models.MODEL_FAMILY[config.model] == 'em':
-    preprocess = lambda images, key: train_em.preprocess(config, images, key)
-    loss_of = lambda outputs, images, labels, step: train_em.em_loss(
-        outputs['activations'], labels, step, config)
-  else:
-    preprocess = lambda images, key: train_lib.digit_inputs(
-        images, key, config.max_shift)
-    loss_of = lambda outputs, images, labels, step: train_dynamic.dynamic_loss(
-        outputs, images, labels, config)[0]
-
-  def train_step(graphdef, state, images, labels, key):
-    images = preprocess(images, key)
-    # d loss / d params32 = float32(d loss / d params16): the gradient of the
-    # cast, taken on the low-precision model as train_dynamic does (merging
-    # outside the gradient keeps dropout's RNG counters on one trace level).
-    model = nnx.merge(graphdef, _cast_floats(state.params, dtype),
-                      state.model_state)
-
-    def objective(model):
-      outputs = model(images.astype(dtype), labels, train=True)
-      outputs = _cast_floats(outputs, jnp.float32)
-      return jnp.mean(loss_of(outputs, images, labels, state.step))
-
-    loss, grads = nnx.value_and_grad(objective)(model)
-    _, _, model_state = nnx.split(model, nnx.Param, ...)
-    state, grad_norm = train_lib.apply_gradients(
-        state, _cast_floats(grads, jnp.float32), model_state, optimizer, loss)
-    return state, {'loss': loss, 'grad_norm': grad_norm}
-
-  def eval_step(graphdef, params, model_state, images, labels, mask):
-    images = preprocess(images, None)
-    model = nnx.merge(graphdef, _cast_floats(params, dtype), model_state)
-    outputs = _cast_floats(model(images.astype(dtype)), jnp.float32)
-    loss = loss_of(outputs, images, labels, jnp.asarray(10**9))
-    scores = train_dynamic.class_scores(outputs)
-    correct = jnp.argmax(scores, -1) == labels
-    return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
-            'count': jnp.sum(mask)}
-
-  return train_lib.FamilySteps(train_step, eval_step)
-
-
 def make_steps(config: ml_collections.ConfigDict, optimizer, dtype: str
                ) -> train_lib.FamilySteps:
-  if dtype == 'bfloat16':
-    return mixed_precision_steps(config, optimizer, jnp.bfloat16)
+  """The family's own train and eval steps, computing in ``dtype``."""
+  config = config.copy_and_resolve_references()
+  config.compute_dtype = dtype
   family = models.MODEL_FAMILY[config.model]
   module = train_em if family == 'em' else train_dynamic
   return module.make_steps(config, optimizer)
@@ -356,38 +302,28 @@ def cpu_model() -> str:
   return platform.processor() or platform.machine()
 
 
-def git_commit() -> str | None:
-  """HEAD of the checkout (uncommitted changes are not recorded)."""
-  try:
-    result = subprocess.run(
-        ['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
-        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10,
-        check=False)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return result.stdout.strip() or None
-
-
 def environment() -> dict[str, Any]:
-  device = jax.devices()[0]
-  return {
-      'git_commit': git_commit(),
-      'device': f'{device.platform}:{device.device_kind}',
-      'num_devices': jax.device_count(),
+  """The training summaries' environment, plus the CPU, flax and the date."""
+  return train_lib.environment() | {
       'cpu': cpu_model(),
-      'cpu_count': os.cpu_count(),
-      'jax_version': jax.__version__,
       'flax_version': flax.__version__,
-      'python': platform.python_version(),
       'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
   }
 
 
 def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                     steps: int = 5, warmup: int = 1, dtype: str = 'float32',
-                    compile_only: bool = False, seed: int = 0
-                    ) -> dict[str, Any]:
-  """One row: train/eval throughput, compile time and memory of a config."""
+                    compile_only: bool = False, seed: int = 0,
+                    num_devices: int = 1) -> dict[str, Any]:
+  """One row: train/eval throughput, compile time and memory of a config,
+  the batch split over the first ``num_devices`` local devices."""
+  if not 1 <= num_devices <= jax.local_device_count():
+    raise ValueError(
+        f'num_devices must be 1 to {jax.local_device_count()} (the local '
+        f'device count), got {num_devices}. On a CPU, more devices: '
+        f'XLA_FLAGS=--xla_force_host_platform_device_count=N.')
+  mesh = train_lib.make_mesh(num_devices)
+  train_lib.check_batch_size(config.batch_size, mesh)
   model = train_lib.create_model(config, seed=seed)
   num_params = models.count_params(model)
   optimizer = train_lib.make_optimizer(config)
@@ -397,9 +333,13 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
   batch = config.batch_size
   shape = image_shape(config)
   rng = np.random.default_rng(seed)
-  images = jnp.asarray(rng.integers(0, 256, (batch,) + shape, np.uint8))
-  labels = jnp.asarray(rng.integers(0, num_classes(config), batch, np.int32))
-  mask = jnp.ones((batch,), jnp.float32)
+  split = train_lib.batch_sharded(mesh)
+  state = jax.device_put(state, train_lib.replicated(mesh))
+  images = train_lib.on_mesh(
+      rng.integers(0, 256, (batch,) + shape, np.uint8), split)
+  labels = train_lib.on_mesh(
+      rng.integers(0, num_classes(config), batch, np.int32), split)
+  mask = train_lib.on_mesh(np.ones((batch,), np.float32), split)
   data_key = jax.random.PRNGKey(seed + 2)
 
   train = jax.jit(functools.partial(family_steps.train_step, graphdef),
@@ -420,6 +360,7 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
       'model_options': {k: str(v) for k, v in
                         train_lib.model_options(config).items()},
       'dtype': dtype,
+      'num_devices': num_devices,
       'num_params': num_params,
       'compile_s': compile_s,
       'eval_compile_s': eval_compile_s,
@@ -460,7 +401,7 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                                 or eval_memory.get('total'))
     row['peak_memory_source'] = 'xla compiled memory_analysis (train step)'
   row['peak_rss_bytes'] = peak_rss_bytes()
-  return row | environment()
+  return environment() | row  # num_devices: those used
 
 
 # ----------------------------------------------------------------------------
@@ -602,12 +543,14 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
   routing_rows = [r for r in rows if 'routing' in r]
   if model_rows:
     lines += [
-        '| model | batch | dtype | image | params | train img/s | eval img/s '
-        '| compile s (train / eval) | peak memory GiB (source) | peak RSS GiB |',
-        '|---|---|---|---|---|---|---|---|---|---|']
+        '| model | batch | devices | dtype | image | params | train img/s '
+        '| eval img/s | compile s (train / eval) | peak memory GiB (source) '
+        '| peak RSS GiB |',
+        '|---|---|---|---|---|---|---|---|---|---|---|']
     for r in model_rows:
       lines.append(
-          f"| {r.get('label', r['model'])} | {r['batch_size']} | {r['dtype']} | "
+          f"| {r.get('label', r['model'])} | {r['batch_size']} | "
+          f"{r.get('num_devices', 1)} | {r['dtype']} | "
           f"{'x'.join(map(str, r['image_shape']))} | {r['num_params']:,} | "
           f"{_fmt(r['train_images_per_s'], '.1f')} | "
           f"{_fmt(r['eval_images_per_s'], '.1f')} | "
@@ -664,7 +607,8 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
         sweep: str = '', options: dict[str, Any] | None = None,
         image_size: int = 0, compile_only: bool = False,
         peak_gflops: float = 0.0, bandwidth_gbs: float = 0.0, seed: int = 0,
-        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        num_devices: int = 1, log: Callable[[str], None] = print
+        ) -> list[dict[str, Any]]:
   """All rows of one invocation (the flags as keyword arguments)."""
   sweep_key, values = parse_sweep(sweep)
   rows = []
@@ -695,13 +639,15 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
   for value in values:
     setting = {'batch_size': batch_size, 'image_size': image_size,
                'options': dict(options or {})}
+    devices = value if sweep_key == 'num_devices' else num_devices
     if sweep_key in ('batch_size', 'image_size'):
       setting[sweep_key] = value
-    elif sweep_key:
+    elif sweep_key and sweep_key != 'num_devices':
       setting['options'][sweep_key] = value
     config = configure(model, **setting)
     row = benchmark_model(config, name=model, steps=steps, warmup=warmup,
-                          dtype=dtype, compile_only=compile_only, seed=seed)
+                          dtype=dtype, compile_only=compile_only, seed=seed,
+                          num_devices=devices)
     row['label'] = ' '.join(
         [model] + [f'{k}={v}' for k, v in (options or {}).items()]
         + ([f'{sweep_key}={value}'] if sweep_key else []))
@@ -738,7 +684,8 @@ def benchmark() -> None:
              options=parse_options(_MODEL_OPTIONS.value),
              image_size=_IMAGE_SIZE.value, compile_only=_COMPILE_ONLY.value,
              peak_gflops=_PEAK_GFLOPS.value,
-             bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value)
+             bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value,
+             num_devices=_NUM_DEVICES.value)
   print(write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
 
 

@@ -66,6 +66,29 @@ def parse_flags(argv: list[str]) -> list[str]:
     usage_error(e)
 
 
+def _define_distributed_flags() -> dict[str, flags.FlagHolder]:
+  """--distributed and the jax.distributed.initialize arguments."""
+  module = sys.argv[0]
+  return {
+      'distributed': flags.DEFINE_bool(
+          'distributed', False, 'Run as one process of a multi-process '
+          '(multi-host) job: jax.distributed.initialize, then data '
+          'parallelism over the devices of all processes. Start the same '
+          'command on every host.', module_name=module),
+      'coordinator_address': flags.DEFINE_string(
+          'coordinator_address', None, 'host:port of process 0 (with '
+          '--distributed; default: detected from SLURM, Open MPI, Kubernetes '
+          'or a TPU pod).', module_name=module),
+      'num_processes': flags.DEFINE_integer(
+          'num_processes', None, 'Number of processes (with --distributed; '
+          'default: detected).', lower_bound=1, module_name=module),
+      'process_id': flags.DEFINE_integer(
+          'process_id', None, 'This process, 0 .. num_processes - 1 (with '
+          '--distributed; default: detected).', lower_bound=0,
+          module_name=module),
+  }
+
+
 def run(train_and_evaluate: Callable, default_config: str, *,
         workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
         'and summary.json; rerun with the same one to resume.') -> None:
@@ -89,8 +112,18 @@ def run(train_and_evaluate: Callable, default_config: str, *,
   except (TypeError, ValueError) as e:
     usage_error(e)
   flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
+  distributed = _define_distributed_flags()
 
   def main(argv):
-    run_command(argv, lambda: train_and_evaluate(config.value, workdir.value))
+    def body():
+      if distributed['distributed'].value:
+        from capsjax import train_lib  # imports jax: after the flags
+        train_lib.initialize_distributed(
+            distributed['coordinator_address'].value,
+            distributed['num_processes'].value,
+            distributed['process_id'].value)
+      train_and_evaluate(config.value, workdir.value)
+
+    run_command(argv, body)
 
   app.run(main, flags_parser=parse_flags)

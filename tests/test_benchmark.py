@@ -57,8 +57,35 @@ def test_cli_smoke_run_writes_json_and_markdown(tmp_path):
                          'num_params', 'compiled_train_bytes'))
   assert row['jax_version'] == jax.__version__
   table = markdown.read_text()
-  assert '| capsnet_mnist:smoke | 8 | float32 |' in table
+  assert '| capsnet_mnist:smoke | 8 | 1 | float32 |' in table
   assert table in result.stdout
+
+
+def test_device_count_sweep_in_bfloat16(tmp_path):
+  """--sweep=num_devices splits the batch over forced CPU devices; the
+  bfloat16 rows run the families' own mixed-precision steps."""
+  output = tmp_path / 'out.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.benchmark',
+       '--model=capsnet_mnist:smoke', '--batch_size=8', '--steps=1',
+       '--warmup=0', '--dtype=bfloat16', '--sweep=num_devices:1,2',
+       f'--output={output}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+      env=os.environ | {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(output.read_text())['rows']
+  assert [r['num_devices'] for r in rows] == [1, 2]
+  assert all(r['dtype'] == 'bfloat16' for r in rows)
+  for row in rows:
+    _positive_finite(row, ('train_images_per_s', 'eval_images_per_s'))
+  assert '| capsnet_mnist:smoke num_devices=2 | 8 | 2 | bfloat16 |' in (
+      result.stdout)
+  too_many = subprocess.run(
+      [sys.executable, '-m', 'experiments.benchmark',
+       '--model=capsnet_mnist:smoke', '--num_devices=3', '--steps=1'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert too_many.returncode == 2
+  assert 'num_devices must be 1 to 1' in too_many.stderr
 
 
 def test_routing_only_rows(tmp_path):

@@ -1,19 +1,24 @@
-"""Data parallelism: 1, 2, 4 and 8 forced CPU devices train the same model.
+"""Data parallelism: 1, 2, 4 and 8 forced CPU devices train the same model,
+and so do two processes joined by ``--distributed``.
 
 Both training loops run a few steps of a tiny CapsNet and a tiny matrix-capsule
 model with ``num_devices`` = 1, 2, 4, 8 on one process with 8 forced host
 devices. The batch is split over the devices and the gradients are reduced
-across them, so only the summation order differs: the parameters must agree
-to float32 rounding, not bit for bit.
+across them, so only the summation order differs: the results must agree to
+float32 rounding, not bit for bit.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
+from flax import nnx
 
+from capsjax import train_lib
 from tests import conftest
 from tests.test_train_dynamic import TINY
 from tests.test_train_dynamic import TINY_OPTIONS
@@ -123,3 +128,66 @@ def test_matrix_capsnet_trains_identically_on_1_2_4_8_devices(tmp_path):
       # whose gradients are at rounding level (saturated EM activations) move
       # further than the rest on rounding noise (up to +-lr, 1e-2, per step).
       param_tolerance=3e-4)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
+  """`--distributed` (jax.distributed, gloo between CPU processes): two
+  processes with one device each give the run of one process with two
+  devices: the same losses, gradient norms and parameters; process 0 alone
+  writes the run's files."""
+  data_dir = str(tmp_path / 'data')
+  write_tiny_mnist(data_dir, num_train=160, num_test=32)
+  config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
+  flags = [f'--config={config}',
+           *[f'--config.model_options.{k}={v}' for k, v in
+             TINY_OPTIONS.items()],
+           *[f'--config.{k}={v}' for k, v in _STEPS.items()],
+           f'--config.data_dir={data_dir}']
+  command = [sys.executable, '-m', 'experiments.capsnet_mnist']
+  env = conftest.training_env() | {'JAX_PLATFORMS': 'cpu'}
+  port = _free_port()
+  processes = [
+      subprocess.Popen(
+          [*command, f'--workdir={tmp_path / "two_processes"}', *flags,
+           '--distributed', f'--coordinator_address=localhost:{port}',
+           '--num_processes=2', f'--process_id={i}'],
+          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          text=True, env=env) for i in (0, 1)]
+  outputs = [p.communicate(timeout=300)[0] for p in processes]
+  for p, out in zip(processes, outputs, strict=True):
+    assert p.returncode == 0, out[-3000:]
+  assert 'parameters' in outputs[0] and 'parameters' not in outputs[1]
+  single = subprocess.run(
+      [*command, f'--workdir={tmp_path / "one_process"}', *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=env | {'XLA_FLAGS': env.get('XLA_FLAGS', '') +
+                 ' --xla_force_host_platform_device_count=2'})
+  assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+
+  def run_record(name):
+    workdir = tmp_path / name
+    with open(workdir / 'metrics.jsonl') as f:
+      metrics = [json.loads(line) for line in f]
+    with open(workdir / 'summary.json') as f:
+      summary = json.load(f)
+    return metrics, summary
+
+  (metrics_2p, summary_2p), (metrics_1p, summary_1p) = (
+      run_record('two_processes'), run_record('one_process'))
+  assert summary_2p['num_devices'] == summary_1p['num_devices'] == 2
+  assert summary_2p['test'] == summary_1p['test']
+  assert len(metrics_2p) == len(metrics_1p)  # written once, not twice
+  for a, b in zip(metrics_2p, metrics_1p, strict=True):
+    for key in ('train/loss', 'train/grad_norm', 'validation/loss'):
+      assert a.get(key) == b.get(key), (key, a, b)
+  params = [[np.asarray(x) for x in jax.tree.leaves(nnx.state(
+      train_lib.load_trained_model(str(tmp_path / name), 'latest'),
+      nnx.Param))] for name in ('two_processes', 'one_process')]
+  for a, b in zip(*params, strict=True):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -26,7 +26,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 1000
   # Stop early after this many seconds of training (0: no limit).
   config.max_train_seconds = 0
-  # Number of local devices for data parallelism (0: all of them).
+  # Number of local devices for data parallelism (0: all of them; must be 0
+  # with --distributed, whose mesh spans every process's devices).
   config.num_devices = 0
   # 'bfloat16': mixed precision (bfloat16 layers on a copy of the float32
   # master weights; routing statistics, loss and update stay float32).
