@@ -440,7 +440,8 @@ def conv_capsule_routing(
     variance_epsilon: float = routing.VARIANCE_FLOOR,
     normalize_cost: bool = False, center_momentum: float = 0.0,
     activation_form: str = 'paper', normalize_across_positions: bool = False,
-    votes_dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    votes_dtype=None, remat_iterations: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Convolutional capsules with EM routing, as a pure function.
 
   Every K x K window of children is routed to the out_types parents at its
@@ -490,7 +491,8 @@ def conv_capsule_routing(
                  variance_epsilon=variance_epsilon,
                  normalize_cost=normalize_cost,
                  center_momentum=center_momentum,
-                 activation_form=activation_form)
+                 activation_form=activation_form,
+                 remat_iterations=remat_iterations)
   if normalize_across_positions:
     normalizer = votes_lib.conv_parent_normalizer(height, width, kernel_size,
                                                   stride, in_types)
@@ -521,7 +523,10 @@ class ConvCapsules(nnx.Module):
 
   ``remat=True`` wraps patches, votes and routing in ``jax.checkpoint`` so the
   backward pass recomputes the votes (the largest tensor of the network:
-  [B, H', W', K*K*Cin, Cout, P*P]) instead of storing every iteration's.
+  [B, H', W', K*K*Cin, Cout, P*P]) instead of storing them.
+  ``remat_iterations=True`` checkpoints each routing iteration instead
+  (``routing.em_routing``): only the assignments are kept between
+  iterations (BENCHMARKS.md compares the two).
   ``votes_dtype=jnp.bfloat16`` stores votes in bfloat16; routing statistics
   stay float32.
   """
@@ -533,7 +538,8 @@ class ConvCapsules(nnx.Module):
                normalize_cost: bool = False, center_momentum: float = 0.0,
                activation_form: str = 'paper',
                normalize_across_positions: bool = False, remat: bool = False,
-               votes_dtype=None, transform_std: float | None = None,
+               remat_iterations: bool = False, votes_dtype=None,
+               transform_std: float | None = None,
                beta_u_init: float = 0.0, beta_a_init: float = 0.0,
                rngs: nnx.Rngs):
     for name, value in (('in_types', in_types), ('out_types', out_types),
@@ -545,7 +551,7 @@ class ConvCapsules(nnx.Module):
         num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
         center_momentum, activation_form)
     self.normalize_across_positions = normalize_across_positions
-    self.remat = remat
+    self.remat, self.remat_iterations = remat, remat_iterations
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(
         rngs, (kernel_size, kernel_size, in_types, out_types, pose_size,
@@ -562,7 +568,8 @@ class ConvCapsules(nnx.Module):
     fn = functools.partial(
         conv_capsule_routing, stride=self.stride,
         normalize_across_positions=self.normalize_across_positions,
-        votes_dtype=self.votes_dtype, **self.routing_options)
+        votes_dtype=self.votes_dtype, remat_iterations=self.remat_iterations,
+        **self.routing_options)
     if self.remat:
       fn = jax.checkpoint(fn)
     out_poses, out_acts, _ = fn(poses, activations, self.weights[...],

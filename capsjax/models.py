@@ -312,7 +312,8 @@ class MatrixCapsNet(nnx.Module):
                variance_epsilon: float = routing.VARIANCE_FLOOR,
                center_momentum: float = 0.0, activation_form: str = 'paper',
                normalize_across_positions: bool = False, remat: bool = False,
-               votes_dtype=None, init: str = 'paper',
+               remat_iterations: bool = False, votes_dtype=None,
+               init: str = 'paper',
                transform_std: float | None = None,
                conv_impl: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
@@ -346,11 +347,11 @@ class MatrixCapsNet(nnx.Module):
     self.caps1 = layers.ConvCapsules(
         B, C, caps1_kernel, caps1_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions, remat=remat,
-        rngs=rngs, **em, **conv_init)
+        remat_iterations=remat_iterations, rngs=rngs, **em, **conv_init)
     self.caps2 = layers.ConvCapsules(
         C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions, remat=remat,
-        rngs=rngs, **em, **conv_init)
+        remat_iterations=remat_iterations, rngs=rngs, **em, **conv_init)
     self.class_caps = layers.ClassCapsules(
         D, num_classes, coordinate_addition=coordinate_addition,
         inverse_temperature=class_inverse_temperature, rngs=rngs, **em,

@@ -353,6 +353,7 @@ def em_routing(
     center_momentum: float = 0.0,
     activation_form: str = 'paper',
     assignment_normalizer: Normalizer | None = None,
+    remat_iterations: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """EM routing between capsule layers (Hinton et al. 2018, Procedure 1).
 
@@ -387,6 +388,11 @@ def em_routing(
       log R. Default: log-softmax over O. Convolutional capsule layers pass
       one that normalises each child over every parent that receives its
       votes across positions (the released code).
+    remat_iterations: ``jax.checkpoint`` each iteration: the backward pass
+      keeps only the [..., I, O] assignments between iterations and
+      recomputes each iteration's [..., I, O, D] temporaries when it gets
+      there, instead of storing every iteration's (same values and gradients;
+      less memory, more compute).
   Returns:
     (poses, out_activations, assignments): poses [..., O, D] = mu of the final
     M-step (votes' dtype); out_activations [..., O] (votes' dtype);
@@ -434,6 +440,8 @@ def em_routing(
       poses=jnp.zeros(batch_shape + (num_out, dim), dtype),
       log_variances=jnp.zeros(batch_shape + (num_out, dim), dtype),
       activation_logits=jnp.zeros(batch_shape + (num_out,), dtype))
+  if remat_iterations:
+    iteration = jax.checkpoint(iteration)
   state = jax.lax.fori_loop(0, num_iterations - 1, iteration, init,
                             unroll=UNROLL_ITERATIONS)
   poses, _, activation_logits = m_step(

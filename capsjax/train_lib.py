@@ -197,7 +197,8 @@ def count_params(params) -> int:
 
 
 # ----------------------------------------------------------------------------
-# Data parallelism: one mesh axis 'data' over all local devices.
+# Data parallelism: one mesh axis 'data' over the local devices, or over the
+# devices of every process of a multi-process (--distributed) run.
 
 
 def initialize_distributed(coordinator_address: str | None = None,
