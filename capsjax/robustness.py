@@ -139,7 +139,10 @@ def run(config: ml_collections.ConfigDict, workdir: str,
     raise ValueError('no models to attack: pass --models=WORKDIR[,WORKDIR...] '
                      'of trained runs, or a config that trains some (:smoke).')
   test_splits: dict = {}
-  rows = [attack_workdir(config, path, test_splits) for path in workdirs]
+  rows = []
+  for path in workdirs:
+    print(f'Attacking the model in {path} ...', flush=True)
+    rows.append(attack_workdir(config, path, test_splits))
   names = _names(rows)
   for name, row in zip(names, rows, strict=True):
     cells = '  '.join(f'{a} ' + ' '.join(f'{x:.3f}' for x in row[a])

@@ -727,8 +727,9 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   writer = MetricWriter(workdir)
   progress = Progress(total_steps, start_step, config.batch_size)
   train_seconds, measured_steps, compile_s = 0.0, 0, None
-  deadline = (time.time() + config.max_train_seconds
-              if config.get('max_train_seconds') else None)
+  # Seconds of training steps only: compilation, evaluation and checkpoints
+  # are not counted (the windows below exclude them).
+  time_limit = config.get('max_train_seconds') or None
   step = start_step
   try:
     window_start = time.perf_counter()
@@ -752,8 +753,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - t0
         window_start, window_steps = time.perf_counter(), 0
-      last = step == total_steps or (
-          deadline is not None and _all_agree(time.time() > deadline))
+      last = step == total_steps or (time_limit is not None and _all_agree(
+          train_seconds + time.perf_counter() - window_start > time_limit))
       if last or not (step % config.log_every_steps and
                       step % config.eval_every_steps and
                       step % config.checkpoint_every_steps):

@@ -94,20 +94,22 @@ def test_nonfinite_message_from_the_command_line(tmp_path, norb_dir):
 
 @needs_mnist
 @pytest.mark.slow
-def test_small_em_model_reaches_92_percent_on_mnist_in_5_minutes(tmp_path):
+def test_small_em_model_reaches_94_percent_on_mnist_in_5_minutes(tmp_path):
   """Towards the EM issue's CI target (95%), every loss and gradient finite.
 
-  Measured on the shared CPU (results/em_mnist_trials/session2): this
-  configuration reached 93.5% test accuracy in 600 steps (93.8% with
-  shifts); the bound leaves room for run-to-run noise and is below the
-  issue's 95%, which stays open.
+  Measured on an idle 2-core CPU (results/em_mnist_trials/session3): this
+  configuration reached 95.04% test accuracy in 750 steps and 274 s of
+  training. The bound leaves room for another CPU's rounding and for the
+  280 s guard stopping a slower machine early; the issue's 95% is not
+  asserted.
   """
   config = os.path.join(REPO, 'experiments/configs/matrix_capsnet_mnist.py:smoke')
   env = conftest.training_env()
-  # Data parallelism over the two cores as two host devices: XLA's CPU
-  # kernels of the routing are mostly single-threaded.
+  # Data parallelism over four host devices on the two cores: XLA's CPU
+  # kernels of the routing are mostly single-threaded. Idle, this step ran
+  # at 62.6 / 73.2 / 83.5 img/s on 1 / 2 / 4 devices (BENCHMARKS.md).
   env['XLA_FLAGS'] = (env['XLA_FLAGS'] +
-                      ' --xla_force_host_platform_device_count=2').strip()
+                      ' --xla_force_host_platform_device_count=4').strip()
   out = subprocess.run(
       [sys.executable, '-m', 'experiments.matrix_capsnet',
        f'--workdir={tmp_path}', f'--config={config}'],
@@ -115,13 +117,13 @@ def test_small_em_model_reaches_92_percent_on_mnist_in_5_minutes(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   summary = json.load(open(tmp_path / 'summary.json'))
   print(json.dumps(summary, indent=1))
-  # All 600 steps on an idle 2-core machine; the 280 s guard may stop a
+  # All 750 steps on an idle 2-core machine; the 280 s guard may stop a
   # slower one earlier.
-  assert 400 <= summary['steps'] <= matrix_capsnet_mnist.get_config(
+  assert 500 <= summary['steps'] <= matrix_capsnet_mnist.get_config(
       'smoke').num_train_steps
-  assert summary['num_devices'] == 2
+  assert summary['num_devices'] == 4
   assert summary['train_wall_s_this_run'] < 300, summary
-  assert summary['test']['accuracy'] >= 0.92, summary
+  assert summary['test']['accuracy'] >= 0.94, summary
   records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   logged = [r for r in records if 'train/loss' in r]
   assert len(logged) >= summary['steps'] // 50

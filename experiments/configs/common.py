@@ -24,7 +24,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 100
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000
-  # Stop early after this many seconds of training (0: no limit).
+  # Stop early after this many seconds of training steps (compilation,
+  # evaluation and checkpoints not counted; 0: no limit).
   config.max_train_seconds = 0
   # Number of local devices for data parallelism (0: all of them; must be 0
   # with --distributed, whose mesh spans every process's devices).
