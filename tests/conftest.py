@@ -19,10 +19,20 @@ os.environ.setdefault(
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '1')
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # As equinox does: implicit rank promotion ([B, O] + [O]) is how a batch axis
 # silently lines up with the wrong one, so every test runs with it raising.
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The MNIST IDX files beside the repository (../shared/data/mnist).
+MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
+needs_mnist = pytest.mark.skipif(
+    not all(os.path.exists(os.path.join(MNIST, f'{split}-images-idx3-ubyte.gz'))
+            for split in ('train', 't10k')),
+    reason='../shared/data/mnist not present')
 
 
 def training_env() -> dict[str, str]:

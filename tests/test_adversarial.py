@@ -2,7 +2,6 @@
 ``evaluate_attacks`` on small models, and the experiment end to end (smoke)."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,12 +18,9 @@ from capsjax import models
 from capsjax import robustness
 from experiments.configs import adversarial as adversarial_config
 from tests import conftest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not os.path.exists(os.path.join(MNIST, 't10k-images-idx3-ubyte.gz')),
-    reason='../shared/data/mnist not present')
+from tests.conftest import MNIST
+from tests.conftest import REPO
+from tests.conftest import needs_mnist
 
 B, H, W, C, K = 8, 5, 4, 1, 3
 

@@ -20,13 +20,9 @@ from capsjax import train_lib
 from experiments.configs import capsnet_affnist
 from experiments.configs import common
 from tests import conftest
+from tests.conftest import REPO
+from tests.conftest import needs_mnist
 from tests.test_data_affnist import write_release_mat
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not os.path.exists(os.path.join(MNIST, 'train-images-idx3-ubyte.gz')),
-    reason='../shared/data/mnist not present')
 
 
 def _digits(seed, n):

@@ -15,12 +15,10 @@ from flax import nnx
 
 from capsjax import figures
 from capsjax import models
+from tests.conftest import MNIST
+from tests.conftest import REPO
+from tests.conftest import needs_mnist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not os.path.exists(os.path.join(MNIST, 't10k-images-idx3-ubyte.gz')),
-    reason='../shared/data/mnist not present')
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
 

@@ -21,12 +21,9 @@ from capsjax import train_dynamic
 from capsjax import train_lib
 from experiments.configs import capsnet_multimnist
 from tests import conftest
+from tests.conftest import REPO
+from tests.conftest import needs_mnist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not os.path.exists(os.path.join(MNIST, 'train-images-idx3-ubyte.gz')),
-    reason='../shared/data/mnist not present')
 SMALL_CAPSNET = dict(conv1_channels=8, primary_types=2, decoder_widths=(16,))
 
 

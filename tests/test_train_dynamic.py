@@ -20,12 +20,8 @@ from capsjax import train_lib
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 from tests import conftest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not os.path.exists(os.path.join(MNIST, 'train-images-idx3-ubyte.gz')),
-    reason='../shared/data/mnist not present')
+from tests.conftest import REPO
+from tests.conftest import needs_mnist
 
 
 def _launch(workdir, config, *overrides, module='experiments.capsnet_mnist'):

@@ -15,12 +15,9 @@ from capsjax import models
 from capsjax import transfer
 from experiments.configs import two_digit_transfer
 from tests import conftest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not os.path.exists(os.path.join(MNIST, 't10k-images-idx3-ubyte.gz')),
-    reason='../shared/data/mnist not present')
+from tests.conftest import MNIST
+from tests.conftest import REPO
+from tests.conftest import needs_mnist
 
 
 def su_accuracies(y_pred, y_test):
