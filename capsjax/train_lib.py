@@ -715,9 +715,12 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   train_step = jax.jit(functools.partial(steps.train_step, graphdef),
                        donate_argnums=0)
   eval_step = jax.jit(functools.partial(steps.eval_step, graphdef))
-  run_eval = lambda split: evaluate(  # noqa: E731
-      eval_step, state, split, on_mesh(split.images, replicated(mesh)),
+  run_eval = lambda split, images=None: evaluate(  # noqa: E731
+      eval_step, state, split,
+      on_mesh(split.images, replicated(mesh)) if images is None else images,
       config.eval_batch_size, mesh)
+  # Placed once: the validation split is evaluated many times.
+  validation_images = on_mesh(dataset.validation.images, replicated(mesh))
 
   say(f'{config.model}: {num_params:,} parameters; {dataset.name}: '
         f'{len(dataset.train.labels)} train / {len(dataset.validation.labels)} '
@@ -778,7 +781,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
                                'acc': scalars['train/accuracy']})
         window_start, window_steps = time.perf_counter(), 0
       if step % config.eval_every_steps == 0 or last:
-        val = run_eval(dataset.validation)
+        val = run_eval(dataset.validation, validation_images)
         if val:
           writer.write(step, {f'validation/{k}': v for k, v in val.items()})
           if best_record is None or val['accuracy'] > best_record['accuracy']:
