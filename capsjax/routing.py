@@ -282,14 +282,19 @@ def em_m_step(
   beta_u = jnp.broadcast_to(beta_u, mass.shape)
   beta_a = jnp.broadcast_to(beta_a, mass.shape)
   normalized = weights / (mass[..., None, :] + MASS_EPSILON)
-  poses = jnp.einsum('...io,...iod->...od', normalized, votes)
+  # Weighted sums as multiply-and-reduce, not einsum: as a dot_general, O is
+  # a batch dimension that XLA:CPU moves in front of I by transposing the
+  # whole [..., I, O, D] votes (1.5x slower forward ConvCaps layer;
+  # results/benchmarks/em_sums_einsum_vs_multiply_reduce.md).
+  poses = jnp.sum(normalized[..., None] * votes, axis=-3)
   if center_momentum:
     # The released code's centre update mu = 0.9 new + 0.1 old (old = 0 at
     # the first iteration, as there).
     poses = (1.0 - center_momentum) * poses + center_momentum * previous_poses
   # Two-pass variance: E[(V - mu)^2] never goes negative, E[V^2] - mu^2 can.
-  variances = jnp.einsum('...io,...iod->...od', normalized,
-                         jnp.square(votes - poses[..., None, :, :]))
+  variances = jnp.sum(
+      normalized[..., None] * jnp.square(votes - poses[..., None, :, :]),
+      axis=-3)
   log_variances = jnp.log(variances + variance_epsilon)
   dim = votes.shape[-1]
   if activation_form == 'paper':
@@ -331,8 +336,9 @@ def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
     log R: [..., I, O] (normalised by ``normalizer``).
   """
   inv_var = jnp.exp(-log_variances)
-  sq_dist = jnp.einsum('...iod,...od->...io',
-                       jnp.square(votes - poses[..., None, :, :]), inv_var)
+  sq_dist = jnp.sum(
+      jnp.square(votes - poses[..., None, :, :]) * inv_var[..., None, :, :],
+      axis=-1)
   log_p = -0.5 * (sq_dist + jnp.sum(log_variances + _LOG_2PI, axis=-1)[
       ..., None, :])
   # log a_j = log sigmoid(logit): finite even where a_j underflows to 0.

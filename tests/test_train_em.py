@@ -94,20 +94,20 @@ def test_nonfinite_message_from_the_command_line(tmp_path, norb_dir):
 
 @needs_mnist
 @pytest.mark.slow
-def test_small_em_model_reaches_94_percent_on_mnist_in_5_minutes(tmp_path):
-  """Towards the EM issue's CI target (95%), every loss and gradient finite.
+def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
+  """The EM issue's CI target, with every loss and gradient finite.
 
-  Measured on an idle 2-core CPU (results/em_mnist_trials/session3): this
-  configuration reached 95.04% test accuracy in 750 steps and 274 s of
-  training. The bound leaves room for another CPU's rounding and for the
-  280 s guard stopping a slower machine early; the issue's 95% is not
-  asserted.
+  Measured on an idle 2-core CPU (results/em_mnist_trials/session4): this
+  configuration reached 95.84% test accuracy (96.56% validation) in 1,150
+  steps and about 275 s of training; seed 1 of the same configuration is in
+  that record too. Training is capped at 280 s (the config's guard), so a
+  slower machine stops early and is evaluated there.
   """
   config = os.path.join(REPO, 'experiments/configs/matrix_capsnet_mnist.py:smoke')
   env = conftest.training_env()
   # Data parallelism over four host devices on the two cores: XLA's CPU
-  # kernels of the routing are mostly single-threaded. Idle, this step ran
-  # at 62.6 / 73.2 / 83.5 img/s on 1 / 2 / 4 devices (BENCHMARKS.md).
+  # kernels of the routing are mostly single-threaded. Idle, the smoke
+  # model's step ran 1.33x faster on 4 devices than on 1 (BENCHMARKS.md).
   env['XLA_FLAGS'] = (env['XLA_FLAGS'] +
                       ' --xla_force_host_platform_device_count=4').strip()
   out = subprocess.run(
@@ -117,13 +117,13 @@ def test_small_em_model_reaches_94_percent_on_mnist_in_5_minutes(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   summary = json.load(open(tmp_path / 'summary.json'))
   print(json.dumps(summary, indent=1))
-  # All 750 steps on an idle 2-core machine; the 280 s guard may stop a
+  # All 1,150 steps on an idle 2-core machine; the 280 s guard may stop a
   # slower one earlier.
-  assert 500 <= summary['steps'] <= matrix_capsnet_mnist.get_config(
+  assert 800 <= summary['steps'] <= matrix_capsnet_mnist.get_config(
       'smoke').num_train_steps
   assert summary['num_devices'] == 4
   assert summary['train_wall_s_this_run'] < 300, summary
-  assert summary['test']['accuracy'] >= 0.94, summary
+  assert summary['test']['accuracy'] >= 0.95, summary
   records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   logged = [r for r in records if 'train/loss' in r]
   assert len(logged) >= summary['steps'] // 50
