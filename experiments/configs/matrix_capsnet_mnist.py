@@ -60,8 +60,8 @@ def get_config(variant: str = ''):
   config.num_train_steps = 50_000
   for part in filter(None, variant.split(',')):
     if part == 'smoke':
-      # The CI test's model (tests/test_train_em.py): 1,150 steps in about
-      # 275 s of training on an idle 2-core CPU split into 4 host devices;
+      # The CI test's model (tests/test_train_em.py): 1,150 steps in 254 s
+      # of training on an idle 2-core CPU split into 4 host devices;
       # 96.56% validation, 95.84% test accuracy there
       # (results/em_mnist_trials/session4). B=4 primary types halve the
       # ConvCaps1 routing, which is most of the step: 1.57x the images per
