@@ -294,7 +294,9 @@ class MatrixCapsNet(nnx.Module):
   1/sqrt(pose side), or ``transform_std``, beta_u = beta_a = 0.
   ``init='authors'``: the released code's std 0.3 / beta 0.5 (conv
   capsules) and std 0.01 / beta_a 1.0, beta_u 2.0 (class capsules). Routing
-  options go to every EM layer; ``class_inverse_temperature`` overrides
+  options go to every EM layer; ``caps1_iterations`` > 0 overrides
+  ``num_iterations`` in ConvCaps1 (the largest routing, most of a CPU
+  training step); ``class_inverse_temperature`` overrides
   ``inverse_temperature`` in the class layer (the released code uses final
   lambda / 4 there: ``routing.inverse_temperature_schedule(T, 0.0025)``).
 
@@ -304,6 +306,7 @@ class MatrixCapsNet(nnx.Module):
   def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
                num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
                D: int = 32, num_iterations: int = 3,
+               caps1_iterations: int = 0,
                coordinate_addition: bool = True, conv1_kernel: int = 5,
                conv1_stride: int = 2, caps1_kernel: int = 3,
                caps1_stride: int = 2, caps2_kernel: int = 3,
@@ -344,10 +347,16 @@ class MatrixCapsNet(nnx.Module):
     self.conv1 = layers.Conv2D(channels, A, conv1_kernel, conv1_stride,
                                conv_impl=conv_impl, rngs=rngs)
     self.primary = layers.MatrixPrimaryCapsules(A, B, rngs=rngs)
+    if (isinstance(caps1_iterations, bool) or
+        not isinstance(caps1_iterations, int) or caps1_iterations < 0):
+      raise ValueError(f'caps1_iterations must be a positive int (or 0: '
+                       f'num_iterations), got {caps1_iterations!r}.')
+    caps1_iterations = caps1_iterations or num_iterations
     self.caps1 = layers.ConvCapsules(
         B, C, caps1_kernel, caps1_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions, remat=remat,
-        remat_iterations=remat_iterations, rngs=rngs, **em, **conv_init)
+        remat_iterations=remat_iterations, rngs=rngs,
+        **(em | {'num_iterations': caps1_iterations}), **conv_init)
     self.caps2 = layers.ConvCapsules(
         C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions, remat=remat,

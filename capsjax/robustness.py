@@ -98,8 +98,12 @@ def attack_workdir(config: ml_collections.ConfigDict, model_workdir: str,
       run_config.get('loss', 'spread') == 'cross_entropy'):
     kind = 'cross_entropy'  # that EM run trained on cross-entropy
   start = time.perf_counter()
+  images = test.images[:num]
+  if run_config.get('center_crop'):
+    # The pixels the model reads: its training cropped every digit.
+    images = data_lib.center_crop(images, run_config.center_crop)
   row = adversarial.evaluate_attacks(
-      model, test.images[:num], test.labels[:num], config.epsilons,
+      model, images, test.labels[:num], config.epsilons,
       attacks=config.attacks, kind=kind, spread_margin=margin,
       step_size=config.bim_step_size, num_steps=config.bim_steps,
       batch_size=config.batch_size)

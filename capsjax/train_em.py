@@ -56,7 +56,8 @@ def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
     if key is None:
       return data_lib.smallnorb_eval_preprocess(images)
     return data_lib.smallnorb_train_preprocess(key, images)
-  return train_lib.digit_inputs(images, key, config.max_shift)
+  return train_lib.digit_inputs(images, key, config.max_shift,
+                                config.get('center_crop', 0))
 
 
 def make_steps(config: ml_collections.ConfigDict,

@@ -39,3 +39,21 @@ def training_env() -> dict[str, str]:
   """Environment for a training subprocess: full XLA optimisation, no bar."""
   env = dict(os.environ, CAPSJAX_NO_PROGRESS='1', XLA_FLAGS=_CALLER_XLA_FLAGS)
   return env
+
+
+def write_mnist_subset(directory, num_train: int, num_test: int) -> str:
+  """The first images of the shared MNIST as an IDX directory of its own.
+
+  Integration tests that check an experiment's plumbing, not its accuracy,
+  train and evaluate on it: the full 10,000-image test set is most of their
+  time on a slow CI machine.
+  """
+  from capsjax.data import read_idx
+  from tests.test_data_idx import idx_bytes
+  os.makedirs(directory, exist_ok=True)
+  for split, num in (('train', num_train), ('t10k', num_test)):
+    for kind in ('images-idx3', 'labels-idx1'):
+      array = read_idx(os.path.join(MNIST, f'{split}-{kind}-ubyte.gz'))[:num]
+      with open(os.path.join(directory, f'{split}-{kind}-ubyte'), 'wb') as f:
+        f.write(idx_bytes(array))
+  return str(directory)

@@ -195,12 +195,16 @@ def test_smoke_run_end_to_end_with_an_affnist_file(tmp_path):
   """The real-affNIST path on a file in the release format holding exactly
   the transformed digits of the affine_mnist test: the two agree."""
   config = capsnet_affnist.get_config('smoke')
-  mnist = data_lib.load_dataset('mnist', validation_size=0)
   size = config.affine_test_size
-  images = data_lib.affine_mnist(mnist.test.images[:size], config.affine_seed)
-  write_release_mat(tmp_path / 'test.mat', images[..., 0],
-                    mnist.test.labels[:size])
-  proc = _launch(tmp_path / 'w', f'--config.affnist_dir={tmp_path}')
+  # 1,000 training images (500 of them validation) and the first `size`
+  # test images: the plumbing, without evaluating 10,000 test images.
+  mnist_dir = conftest.write_mnist_subset(tmp_path / 'mnist', 1000, size)
+  mnist = data_lib.load_dataset('mnist', data_dir=mnist_dir,
+                                validation_size=0)
+  images = data_lib.affine_mnist(mnist.test.images, config.affine_seed)
+  write_release_mat(tmp_path / 'test.mat', images[..., 0], mnist.test.labels)
+  proc = _launch(tmp_path / 'w', f'--config.affnist_dir={tmp_path}',
+                 f'--config.data_dir={mnist_dir}')
   assert proc.returncode == 0, proc.stdout + proc.stderr
   record = json.load(open(tmp_path / 'w' / 'affnist_summary.json'))
   assert record['affine_mnist'] == {'size': size, 'seed': config.affine_seed}

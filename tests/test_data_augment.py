@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from capsjax import train_lib
+from capsjax.data import center_crop
 from capsjax.data import place_on_canvas
 from capsjax.data import random_shift
 from capsjax.data import shift
@@ -119,3 +121,27 @@ def test_to_float():
   x = to_float(np.array([0, 51, 255], np.uint8))
   assert x.dtype == jnp.float32
   np.testing.assert_allclose(x, [0.0, 0.2, 1.0], rtol=1e-6)
+
+
+def test_center_crop_keeps_the_central_window():
+  x = np.arange(2 * 7 * 6 * 1).reshape(2, 7, 6, 1)
+  out = np.asarray(center_crop(x, 4))
+  # Top-left ((7 - 4) // 2, (6 - 4) // 2) = (1, 1).
+  np.testing.assert_array_equal(out, x[:, 1:5, 1:5])
+  np.testing.assert_array_equal(center_crop(x, 6)[:, :, :, 0],
+                                x[:, :6, :, 0])
+  for size in (0, 7):
+    with pytest.raises(ValueError, match='H, W >= '):
+      center_crop(x, size)
+
+
+def test_digit_inputs_shift_then_crop():
+  """Training shifts the 28x28 digit, then both paths crop the centre."""
+  images = (np.arange(2 * 28 * 28) % 256).astype(np.uint8).reshape(2, 28, 28, 1)
+  key = jax.random.key(3)
+  train = train_lib.digit_inputs(images, key, 2, center_crop=20)
+  shifted = random_shift(key, to_float(images), 2)
+  np.testing.assert_array_equal(train, shifted[:, 4:24, 4:24])
+  evaluation = train_lib.digit_inputs(images, None, 2, center_crop=20)
+  np.testing.assert_allclose(evaluation, images[:, 4:24, 4:24] / 255.0,
+                             rtol=1e-6)

@@ -1,8 +1,9 @@
 """Tests of capsjax.figures and the figure CLIs (capsnet_figures, routing_pictures).
 
 Small models keep the library tests fast; one tiny training run (4 steps on
-the shared MNIST, about 20 s of CPU, most of it compilation) gives the CLIs a
-real workdir: those two tests are marked slow (``-m "not slow"`` skips them).
+the first 400 digits of the shared MNIST, most of it compilation) gives the
+CLIs a real workdir: those two tests are marked slow (``-m "not slow"``
+skips them).
 """
 
 import os
@@ -15,7 +16,7 @@ from flax import nnx
 
 from capsjax import figures
 from capsjax import models
-from tests.conftest import MNIST
+from tests import conftest
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
 
@@ -196,7 +197,10 @@ def capsnet_workdir(tmp_path_factory):
   # Smaller than the smoke model still: the figures, not the accuracy, count.
   config.model_options.conv1_channels = 8
   config.model_options.primary_types = 4
-  config.data_dir = MNIST
+  # The first 400 training and 100 test digits: the figures read their
+  # images from the workdir's data_dir.
+  config.data_dir = conftest.write_mnist_subset(
+      tmp_path_factory.mktemp('mnist'), 400, 100)
   workdir = str(tmp_path_factory.mktemp('capsnet_workdir'))
   train_dynamic.train_and_evaluate(config, workdir)
   return workdir

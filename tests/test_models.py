@@ -74,6 +74,7 @@ def test_registry_lists_every_model_with_a_family():
     ('matrix_capsnet', {'input_shape': (16, 16, 1)}, 'larger than the input'),
     ('matrix_capsnet', {'A': 0}, 'A must be'),
     ('matrix_capsnet', {'num_iterations': 0}, 'num_iterations'),
+    ('matrix_capsnet', {'caps1_iterations': -1}, 'caps1_iterations'),
     ('matrix_capsnet', {'init': 'xavier'}, 'init'),
     ('matrix_capsnet', {'activation_form': 'gmm'}, 'activation_form'),
     ('two_digit_capsnet', {'trunk_widths': (8, 8)}, 'trunk_widths'),
@@ -289,6 +290,17 @@ def test_matrix_capsnet_options_reach_the_layers_on_mnist_shapes():
   assert out['activations'].shape == (2, 10)
   assert out['poses'].shape == (2, 10, 4, 4)
   assert out['poses'].dtype == jnp.float32
+
+
+def test_matrix_capsnet_caps1_iterations_override_only_convcaps1():
+  model = _abstract('matrix_capsnet', input_shape=(24, 24, 1), num_classes=10,
+                    num_iterations=2, caps1_iterations=1, **SMALL_MATRIX)
+  assert model.grid_sizes == ((10, 4, 2), (10, 4, 2))
+  iterations = [layer.routing_options['num_iterations']
+                for layer in (model.caps1, model.caps2, model.class_caps)]
+  assert iterations == [1, 2, 2]
+  default = _abstract('matrix_capsnet', num_iterations=2, **SMALL_MATRIX)
+  assert default.caps1.routing_options['num_iterations'] == 2
 
 
 def test_matrix_capsnet_init_options():

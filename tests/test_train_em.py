@@ -97,12 +97,12 @@ def test_nonfinite_message_from_the_command_line(tmp_path, norb_dir):
 def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
   """The EM issue's CI target, with every loss and gradient finite.
 
-  Measured on an idle 2-core CPU (results/em_mnist_trials/session4): this
-  configuration reached 95.84% test accuracy (96.56% validation) in 1,150
-  steps and 254 s of training; seed 1 of the same configuration is in
-  that record too. Training is capped at 280 s (the config's guard), so a
-  slower machine stops early and is evaluated there; 95% is asserted when
-  every step ran, 90% otherwise.
+  The smoke model (one EM iteration on the central 24x24) reached 96.75%
+  test accuracy (97.38% validation) in 1,000 steps and 120 s of training on
+  a loaded 2-core CPU; seed 1 97.13% (results/em_mnist_trials/session5).
+  Training is capped at 280 s (the config's guard): 95% is asserted when
+  every step ran, 93% when the guard stopped a much slower machine
+  mid-schedule.
   """
   config = os.path.join(REPO, 'experiments/configs/matrix_capsnet_mnist.py:smoke')
   env = conftest.training_env()
@@ -118,8 +118,6 @@ def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   summary = json.load(open(tmp_path / 'summary.json'))
   print(json.dumps(summary, indent=1))
-  # All 1,150 steps on an idle 2-core machine; the 280 s guard may stop a
-  # slower one earlier (503 steps on this machine under load).
   num_train_steps = matrix_capsnet_mnist.get_config('smoke').num_train_steps
   assert 400 <= summary['steps'] <= num_train_steps
   assert summary['num_devices'] == 4
@@ -127,10 +125,10 @@ def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
   if summary['steps'] == num_train_steps:
     assert summary['test']['accuracy'] >= 0.95, summary
   else:
-    # The 280 s guard stopped a slower machine mid-schedule (higher learning
-    # rate, lower margin). Measured on this machine under load: 940 steps,
-    # 94.34%; 503 steps, 92.59% (results/em_mnist_trials/session4).
-    assert summary['test']['accuracy'] >= 0.90, summary
+    # The guard stopped a much slower machine mid-schedule (higher learning
+    # rate, lower margin); both seeds had 95.28% validation accuracy at
+    # step 500.
+    assert summary['test']['accuracy'] >= 0.93, summary
   records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   logged = [r for r in records if 'train/loss' in r]
   assert len(logged) >= summary['steps'] // 50

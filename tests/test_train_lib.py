@@ -299,6 +299,7 @@ def test_really_full_disk_on_a_tiny_tmpfs(tmp_path):
     ('seed', -1, 'an int >= 0'),
     ('max_shift', -2, 'an int >= 0'),
     ('max_train_seconds', -1, '> 0 (or 0: no limit)'),
+    ('center_crop', 24, '0 (no crop) or an int equal to the height'),
     ('num_devices', 10**6, 'an int from 0 (all devices) to'),
     ('debug_poison_step', 1.5, 'an int (-1: off)'),
 ])

@@ -7,6 +7,7 @@ JAX functions of a PRNG key and a batch.
 
 from capsjax.data.affnist import affine_mnist
 from capsjax.data.affnist import load_affnist
+from capsjax.data.augment import center_crop
 from capsjax.data.augment import place_on_canvas
 from capsjax.data.augment import random_shift
 from capsjax.data.augment import shift
@@ -30,6 +31,7 @@ __all__ = (
     'Dataset',
     'Split',
     'affine_mnist',
+    'center_crop',
     'load_affnist',
     'load_dataset',
     'multimnist_batch',

@@ -15,6 +15,26 @@ def to_float(images: ArrayLike) -> jax.Array:
   return jnp.asarray(images).astype(jnp.float32) / 255.0
 
 
+def center_crop(images: ArrayLike, size: int) -> jax.Array:
+  """The central ``size x size`` window of each image.
+
+  Top-left corner ``((H - size) // 2, (W - size) // 2)``, as
+  ``smallnorb_eval_preprocess``.
+
+  Args:
+    images: ``[B, H, W, C]`` with H, W >= size.
+  Returns:
+    ``[B, size, size, C]``, dtype of ``images``.
+  """
+  images = jnp.asarray(images)
+  if images.ndim != 4 or min(images.shape[1:3]) < size or size < 1:
+    raise ValueError(f'center_crop: expected [B, H, W, C] images with '
+                     f'H, W >= {size} >= 1, got {images.shape}')
+  top = (images.shape[1] - size) // 2
+  left = (images.shape[2] - size) // 2
+  return images[:, top:top + size, left:left + size]
+
+
 def random_offsets(key: jax.Array, batch_size: int, max_shift: int
                    ) -> jax.Array:
   """int32 ``[B, 2]`` (dy, dx), each uniform in ``[-max_shift, max_shift]``.

@@ -72,8 +72,12 @@ def get_config(variant: str = ''):
     elif part == 'em':
       # Adds a tiny EM model to what is trained (its XLA compilation alone
       # takes about a minute on a CPU, so CI's smoke leaves it out).
-      config.train.matrix_capsnet = _tiny(
-          matrix_capsnet_mnist.get_config('smoke'), A=8, B=4, C=4, D=4)
+      # Whole 28x28 digits (no centre crop): the attacks perturb the
+      # images the model reads.
+      em = matrix_capsnet_mnist.get_config('smoke')
+      em.center_crop = 0
+      config.train.matrix_capsnet = _tiny(em, A=8, B=4, C=4, D=4,
+                                          input_shape=(28, 28, 1))
     else:
       raise ValueError(f'unknown variant {part!r} of adversarial; known: '
                        f'smoke, em.')

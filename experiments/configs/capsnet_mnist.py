@@ -5,7 +5,7 @@
 
 Variants (``--config=experiments/configs/capsnet_mnist.py:VARIANT``):
   smoke    a reduced CapsNet (same code, smaller widths) that trains on a CPU
-           in about two minutes; CI runs it.
+           in under two minutes; CI runs it.
   norecon  the paper's ablation without the reconstruction loss.
   iter1    1 routing iteration.
 Any key can be overridden: ``--config.num_train_steps=1000``.
@@ -28,12 +28,21 @@ def get_config(variant: str = ''):
       config.model_options.conv1_channels = 32
       config.model_options.primary_types = 8
       config.model_options.decoder_widths = (64, 128)
+      # 450 steps of batch 64: 102 s of training on this 2-core CPU under
+      # outside load (281 img/s), 97.98% test accuracy, so that slower CI
+      # machines stay inside the 5-minute budget
+      # (results/capsnet_mnist_smoke). A higher, faster decaying learning
+      # rate than the paper's for so short a run: 97.98% against 97.74%
+      # validation accuracy at step 400 with lr 1e-3.
       config.batch_size = 64
-      config.num_train_steps = 900
-      config.eval_every_steps = 300
-      config.checkpoint_every_steps = 300
+      config.num_train_steps = 450
+      config.learning_rate = 2e-3
+      config.lr_decay_steps = 100
+      config.lr_decay_rate = 0.8
+      config.max_train_seconds = 280
+      config.eval_every_steps = 225
+      config.checkpoint_every_steps = 225
       config.log_every_steps = 50
-      config.lr_decay_steps = 500
     elif part == 'norecon':
       config.model_options.reconstruction = False
     elif part == 'iter1':
