@@ -50,7 +50,7 @@ def test_smoke_capsnet_reaches_97_percent_in_5_minutes(tmp_path):
   assert summary['test']['accuracy'] >= 0.97, summary
   assert summary['validation']['accuracy'] >= 0.97, summary
   assert summary['train_wall_s_this_run'] < 300, summary
-  # All 450 steps took 103 s of training on this 2-core CPU under load
+  # All 450 steps took 102 s of training on this 2-core CPU under load
   # (results/capsnet_mnist_smoke); the config's 280 s guard stops a machine
   # nearly 3 times slower still earlier, at 97.38% validation by step 225.
   num_train_steps = capsnet_mnist.get_config('smoke').num_train_steps
