@@ -98,10 +98,9 @@ def attack_workdir(config: ml_collections.ConfigDict, model_workdir: str,
       run_config.get('loss', 'spread') == 'cross_entropy'):
     kind = 'cross_entropy'  # that EM run trained on cross-entropy
   start = time.perf_counter()
-  images = test.images[:num]
-  if run_config.get('center_crop'):
-    # The pixels the model reads: its training cropped every digit.
-    images = data_lib.center_crop(images, run_config.center_crop)
+  # What the model reads at evaluation (the run's centre crop, if any).
+  images = train_lib.digit_inputs(test.images[:num], None, 0,
+                                  run_config.get('center_crop', 0))
   row = adversarial.evaluate_attacks(
       model, images, test.labels[:num], config.epsilons,
       attacks=config.attacks, kind=kind, spread_margin=margin,

@@ -41,6 +41,18 @@ def training_env() -> dict[str, str]:
   return env
 
 
+def write_mnist_dir(directory, train, test) -> str:
+  """The four MNIST IDX files of (images, labels) pairs, uncompressed."""
+  from tests.test_data_idx import idx_bytes
+  os.makedirs(directory, exist_ok=True)
+  for split, arrays in (('train', train), ('t10k', test)):
+    for kind, array in zip(('images-idx3', 'labels-idx1'), arrays,
+                           strict=True):
+      with open(os.path.join(directory, f'{split}-{kind}-ubyte'), 'wb') as f:
+        f.write(idx_bytes(array))
+  return str(directory)
+
+
 def write_mnist_subset(directory, num_train: int, num_test: int) -> str:
   """The first images of the shared MNIST as an IDX directory of its own.
 
@@ -49,11 +61,10 @@ def write_mnist_subset(directory, num_train: int, num_test: int) -> str:
   time on a slow CI machine.
   """
   from capsjax.data import read_idx
-  from tests.test_data_idx import idx_bytes
-  os.makedirs(directory, exist_ok=True)
-  for split, num in (('train', num_train), ('t10k', num_test)):
-    for kind in ('images-idx3', 'labels-idx1'):
-      array = read_idx(os.path.join(MNIST, f'{split}-{kind}-ubyte.gz'))[:num]
-      with open(os.path.join(directory, f'{split}-{kind}-ubyte'), 'wb') as f:
-        f.write(idx_bytes(array))
-  return str(directory)
+
+  def first(split, num):
+    return tuple(read_idx(os.path.join(MNIST, f'{split}-{kind}-ubyte.gz'))[:num]
+                 for kind in ('images-idx3', 'labels-idx1'))
+
+  return write_mnist_dir(directory, first('train', num_train),
+                         first('t10k', num_test))

@@ -102,17 +102,14 @@ TINY = dict(batch_size=8, validation_size=40, num_train_steps=12,
 
 def write_tiny_mnist(directory, num_train=200, num_test=40, seed=0):
   """Random digits in the four IDX files of MNIST (enough to train on)."""
-  from tests.test_data_idx import idx_bytes
-  os.makedirs(directory, exist_ok=True)
   rng = np.random.default_rng(seed)
-  for split, num in (('train', num_train), ('t10k', num_test)):
+
+  def random_split(num):
     images = rng.integers(0, 256, (num, 28, 28), dtype=np.uint8)
-    labels = rng.integers(0, 10, num, dtype=np.uint8)
-    with open(os.path.join(directory, f'{split}-images-idx3-ubyte'), 'wb') as f:
-      f.write(idx_bytes(images))
-    with open(os.path.join(directory, f'{split}-labels-idx1-ubyte'), 'wb') as f:
-      f.write(idx_bytes(labels))
-  return str(directory)
+    return images, rng.integers(0, 10, num, dtype=np.uint8)
+
+  train = random_split(num_train)
+  return conftest.write_mnist_dir(directory, train, random_split(num_test))
 
 
 @pytest.fixture(scope='module')

@@ -18,8 +18,8 @@ def to_float(images: ArrayLike) -> jax.Array:
 def center_crop(images: ArrayLike, size: int) -> jax.Array:
   """The central ``size x size`` window of each image.
 
-  Top-left corner ``((H - size) // 2, (W - size) // 2)``, as
-  ``smallnorb_eval_preprocess``.
+  Top-left corner ``((H - size) // 2, (W - size) // 2)``; the digit
+  pipelines' ``center_crop`` option and ``smallnorb_eval_preprocess``.
 
   Args:
     images: ``[B, H, W, C]`` with H, W >= size.

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from capsjax.data.augment import center_crop
 from capsjax.data.idx import Dataset
 from capsjax.data.idx import PathLike
 from capsjax.data.idx import Split
@@ -448,11 +449,6 @@ def smallnorb_train_preprocess(
   return standardize(x)
 
 
-def _centre(images: jax.Array, crop_size: int) -> tuple[int, int]:
-  return ((images.shape[1] - crop_size) // 2,
-          (images.shape[2] - crop_size) // 2)
-
-
 def smallnorb_eval_preprocess(images: ArrayLike, *,
                               crop_size: int = CROP_SIZE) -> jax.Array:
   """Centre crop (top-left ``((H - crop_size) // 2, ..)``) then ``standardize``.
@@ -464,8 +460,7 @@ def smallnorb_eval_preprocess(images: ArrayLike, *,
   """
   images = jnp.asarray(images)
   _check_crop(images, crop_size)
-  top, left = _centre(images, crop_size)
-  x = images[:, top:top + crop_size, left:left + crop_size]
+  x = center_crop(images, crop_size)
   return standardize(x.astype(jnp.float32) / 255.0)
 
 

@@ -72,8 +72,8 @@ def get_config(variant: str = ''):
     elif part == 'em':
       # Adds a tiny EM model to what is trained (its XLA compilation alone
       # takes about a minute on a CPU, so CI's smoke leaves it out).
-      # Whole 28x28 digits (no centre crop): the attacks perturb the
-      # images the model reads.
+      # Whole 28x28 digits (no centre crop), so that every model is
+      # attacked on the same pixels.
       em = matrix_capsnet_mnist.get_config('smoke')
       em.center_crop = 0
       config.train.matrix_capsnet = _tiny(em, A=8, B=4, C=4, D=4,
