@@ -15,7 +15,7 @@ Which loss the attacker differentiates (``attack_loss``): 'family' is the loss
 the model was trained with, without regularisers: the margin loss on capsule
 lengths for CapsNet (not the reconstruction term), softmax cross-entropy for
 the baseline CNN, Su's binary margin loss for his two-digit models, and for
-EM models their class loss at the final margin (``train_em.em_loss`` at the
+EM models their class loss at the final margin (``training.em.em_loss`` at the
 end of the schedule: the spread loss with m = 0.9 'linear' or 0.99
 'authors'). 'cross_entropy' is softmax cross-entropy over the models' logits,
 or over the log-odds of their scores in [0, 1] (lengths, sigmoid scores, EM
@@ -40,6 +40,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from capsjax import losses
+from capsjax import models
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 ATTACKS = ('fgsm', 'bim')
@@ -169,13 +170,6 @@ def final_spread_margin(config: ml_collections.ConfigDict) -> float:
       total_steps=config.get('margin_steps', 50_000)))
 
 
-def _scores(outputs: dict[str, jax.Array]) -> jax.Array:
-  for key in ('lengths', 'logits', 'scores', 'activations'):
-    if key in outputs:
-      return outputs[key]
-  raise KeyError(f'model outputs {sorted(outputs)} hold no class scores.')
-
-
 def evaluate_attacks(model: nnx.Module, images: ArrayLike, labels: ArrayLike,
                      epsilons: Sequence[float], *,
                      attacks: Sequence[str] = ATTACKS, kind: str = 'family',
@@ -211,7 +205,7 @@ def evaluate_attacks(model: nnx.Module, images: ArrayLike, labels: ArrayLike,
 
   def correct(state, x, y):
     outputs = nnx.merge(graphdef, state)(x, train=False)
-    return jnp.argmax(_scores(outputs), -1) == y
+    return jnp.argmax(models.class_scores(outputs), -1) == y
 
   @jax.jit
   def clean(state, x, y, mask):

@@ -1,6 +1,6 @@
 """Figures of trained capsule networks: reconstructions, capsule dimensions, routing.
 
-    model = train_lib.load_trained_model(workdir)
+    model = training.load_trained_model(workdir)
     outputs = figures.model_outputs(model, images)  # images float [N, H, W, C]
     figures.reconstruction_grid(images, outputs['reconstructions'],
                                 'reconstructions.png')
@@ -636,18 +636,105 @@ def attack_accuracy_figure(epsilons: Sequence[float],
   return _save(fig, path)
 
 
+def two_colour(reconstructions: ArrayLike) -> np.ndarray:
+  """[N, 2, S, S] -> RGB [N, S, S, 3]: the first digit red, the second green
+  (where they overlap: yellow)."""
+  r = np.asarray(reconstructions, np.float32)
+  return np.clip(np.stack([r[:, 0], r[:, 1], np.zeros_like(r[:, 0])], -1),
+                 0.0, 1.0)
+
+
+def multimnist_figure(images: ArrayLike, reconstructions: ArrayLike,
+                      labels: ArrayLike, predictions: ArrayLike,
+                      path: str | os.PathLike | None = None):
+  """Inputs above their two reconstructions in two colours (paper Fig. 5).
+
+  Args:
+    images: [N, S, S, 1] float in [0, 1].
+    reconstructions: [N, 2, S*S] (or [N, 2, S, S]): the digits of
+      ``predictions[:, 0]`` (red) and ``predictions[:, 1]`` (green).
+    labels, predictions: int [N, 2]; titles "L:(a,b)" and "R:(a,b)", the
+      latter highlighted when the pair is not the true pair.
+    path: PNG to write (None: do not write).
+  Returns:
+    The matplotlib figure.
+  """
+  images = np.asarray(images, np.float32)
+  if images.ndim != 4 or images.shape[-1] != 1:
+    raise ValueError(f'images must be [N, S, S, 1], got {images.shape}.')
+  n, size = images.shape[0], images.shape[1]
+  reconstructions = np.asarray(reconstructions, np.float32)
+  if reconstructions.size != n * 2 * size * size:
+    raise ValueError(f'reconstructions {reconstructions.shape} are not two '
+                     f'{size}x{size} digits for each of {n} images.')
+  colour = two_colour(reconstructions.reshape(n, 2, size, size))
+  labels, predictions = np.asarray(labels), np.asarray(predictions)
+  fig = _figure(max(2.5, 1.3 * n), 3.2)
+  axes = fig.subplots(2, n, squeeze=False)
+  for i in range(n):
+    axes[0, i].imshow(images[i, ..., 0], cmap='gray', vmin=0.0, vmax=1.0)
+    axes[1, i].imshow(colour[i])
+    wrong = set(predictions[i].tolist()) != set(labels[i].tolist())
+    axes[0, i].set_title('L:({},{})'.format(*labels[i]), fontsize=8)
+    axes[1, i].set_title('R:({},{})'.format(*predictions[i]), fontsize=8,
+                         color='tab:red' if wrong else 'black')
+    for ax in axes[:, i]:
+      ax.set_xticks([])
+      ax.set_yticks([])
+  axes[0, 0].set_ylabel('input', fontsize=9)
+  axes[1, 0].set_ylabel('red, green', fontsize=9)
+  fig.subplots_adjust(left=0.06, right=0.99, bottom=0.02, top=0.88,
+                      wspace=0.08, hspace=0.3)
+  return _save(fig, path)
+
+
+def affnist_figure(images: ArrayLike, labels: ArrayLike,
+                   predictions: dict[str, ArrayLike],
+                   path: str | os.PathLike | None = None):
+  """Transformed test digits, titled with each model's prediction.
+
+  Args:
+    images: [N, 40, 40, 1] uint8 or float in [0, 1].
+    labels: int [N].
+    predictions: model name -> int [N]; a wrong prediction in red.
+  """
+  images = np.asarray(images)
+  if np.issubdtype(images.dtype, np.integer):
+    images = images.astype(np.float32) / 255.0
+  n = images.shape[0]
+  fig = _figure(max(2.5, 1.3 * n), 1.9 + 0.3 * len(predictions))
+  axes = fig.subplots(1, n, squeeze=False)[0]
+  for i, ax in enumerate(axes):
+    ax.imshow(images[i, ..., 0], cmap='gray', vmin=0.0, vmax=1.0)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(f'label {int(labels[i])}', fontsize=8)
+    lines = []
+    for name, pred in predictions.items():
+      pred = int(np.asarray(pred)[i])
+      lines.append((f'{name}: {pred}', pred != int(labels[i])))
+    for j, (text, wrong) in enumerate(lines):
+      ax.text(0.5, -0.08 - 0.16 * j, text, transform=ax.transAxes,
+              ha='center', va='top', fontsize=7,
+              color='tab:red' if wrong else 'black')
+  return _save(fig, path)
+
+
 __all__ = (
     'CLASS_NAMES',
     'PERTURBATION_STEPS',
+    'affnist_figure',
     'assignment_figure',
     'attack_accuracy_figure',
     'capsnet_routing',
     'coupling_figure',
     'em_class_routing',
     'model_outputs',
+    'multimnist_figure',
     'pair_predictions_figure',
     'perturbation_grid',
     'perturbed_reconstructions',
     'reconstruction_grid',
     'routing_figure',
+    'two_colour',
 )

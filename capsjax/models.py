@@ -499,7 +499,7 @@ _MODELS: dict[str, type[nnx.Module]] = {
     'two_digit_capsnet': TwoDigitCapsNet,
 }
 
-# Which training loop a model belongs to: train_dynamic or train_em.
+# Which training loop a model belongs to: training.dynamic or training.em.
 MODEL_FAMILY: dict[str, str] = {
     'capsnet': 'dynamic',
     'baseline_cnn': 'dynamic',
@@ -546,6 +546,15 @@ def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
   return cls(rngs=rngs, **options)
 
 
+def class_scores(outputs: dict[str, jax.Array]) -> jax.Array:
+  """[B, K] scores whose argmax is the prediction, whatever the model:
+  capsule lengths, logits, Su's sigmoid scores or EM activations."""
+  for key in ('lengths', 'logits', 'scores', 'activations'):
+    if key in outputs:
+      return outputs[key]
+  raise KeyError(f'model outputs {sorted(outputs)} hold no class scores.')
+
+
 def count_params(model: nnx.Module) -> int:
   """Number of trainable parameters (``nnx.Param`` entries) of ``model``."""
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -559,6 +568,7 @@ __all__ = (
     'MatrixCapsNet',
     'TwoDigitBaseline',
     'TwoDigitCapsNet',
+    'class_scores',
     'count_params',
     'create_model',
     'list_models',

@@ -14,8 +14,8 @@ options, default training config of its family) or a config reference
 ``FILE[:VARIANT]`` resolved to ``experiments/configs/FILE.py``
 ``get_config(VARIANT)`` (``capsnet_mnist:smoke``, ``matrix_capsnet_smallnorb``).
 
-Model rows time the real jitted train step (``train_dynamic`` /
-``train_em.make_steps``, state donated, as ``train_lib.fit`` runs it) and eval
+Model rows time the real jitted train step (``training.dynamic`` /
+``training.em.make_steps``, state donated, as ``training.fit`` runs it) and eval
 step on random uint8 images: images/s from the median step time over
 ``--steps`` timed calls after ``--warmup`` untimed ones, every call
 synchronised with ``jax.block_until_ready``. ``compile_s`` is the trace +
@@ -67,9 +67,10 @@ from absl import flags
 from capsjax import flops as flops_lib
 from capsjax import models
 from capsjax import routing
-from capsjax import train_dynamic
-from capsjax import train_em
-from capsjax import train_lib
+from capsjax import training
+from capsjax.training import metrics as metrics_lib
+from capsjax.training import sharding
+from capsjax.training import state as state_lib
 from experiments import launcher
 from experiments.configs import common
 from experiments.configs import matrix_capsnet_mnist
@@ -198,7 +199,7 @@ def configure(spec: str, *, batch_size: int = 0, image_size: int = 0,
 
 def image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
   """Shape [H, W, C] of the uint8 images the train step receives."""
-  options = models.model_options(config.model) | train_lib.model_options(config)
+  options = models.model_options(config.model) | state_lib.model_options(config)
   if 'input_shape' in options:
     height, width, channels = options['input_shape']
   else:
@@ -210,7 +211,7 @@ def image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
 
 
 def num_classes(config: ml_collections.ConfigDict) -> int:
-  options = models.model_options(config.model) | train_lib.model_options(config)
+  options = models.model_options(config.model) | state_lib.model_options(config)
   return options['num_classes']
 
 
@@ -219,13 +220,11 @@ def num_classes(config: ml_collections.ConfigDict) -> int:
 
 
 def make_steps(config: ml_collections.ConfigDict, optimizer, dtype: str
-               ) -> train_lib.FamilySteps:
+               ) -> state_lib.FamilySteps:
   """The family's own train and eval steps, computing in ``dtype``."""
   config = config.copy_and_resolve_references()
   config.compute_dtype = dtype
-  family = models.MODEL_FAMILY[config.model]
-  module = train_em if family == 'em' else train_dynamic
-  return module.make_steps(config, optimizer)
+  return training.family(config).make_steps(config, optimizer)
 
 
 # ----------------------------------------------------------------------------
@@ -304,7 +303,7 @@ def cpu_model() -> str:
 
 def environment() -> dict[str, Any]:
   """The training summaries' environment, plus the CPU, flax and the date."""
-  return train_lib.environment() | {
+  return metrics_lib.environment() | {
       'cpu': cpu_model(),
       'flax_version': flax.__version__,
       'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
@@ -322,24 +321,24 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
         f'num_devices must be 1 to {jax.local_device_count()} (the local '
         f'device count), got {num_devices}. On a CPU, more devices: '
         f'XLA_FLAGS=--xla_force_host_platform_device_count=N.')
-  mesh = train_lib.make_mesh(num_devices)
-  train_lib.check_batch_size(config.batch_size, mesh)
-  model = train_lib.create_model(config, seed=seed)
+  mesh = sharding.make_mesh(num_devices)
+  sharding.check_batch_size(config.batch_size, mesh)
+  model = state_lib.create_model(config, seed=seed)
   num_params = models.count_params(model)
-  optimizer = train_lib.make_optimizer(config)
-  graphdef, state = train_lib.init_train_state(model, optimizer)
+  optimizer = state_lib.make_optimizer(config)
+  graphdef, state = state_lib.init_train_state(model, optimizer)
   del model
   family_steps = make_steps(config, optimizer, dtype)
   batch = config.batch_size
   shape = image_shape(config)
   rng = np.random.default_rng(seed)
-  split = train_lib.batch_sharded(mesh)
-  state = jax.device_put(state, train_lib.replicated(mesh))
-  images = train_lib.on_mesh(
+  split = sharding.batch_sharded(mesh)
+  state = jax.device_put(state, sharding.replicated(mesh))
+  images = sharding.on_mesh(
       rng.integers(0, 256, (batch,) + shape, np.uint8), split)
-  labels = train_lib.on_mesh(
+  labels = sharding.on_mesh(
       rng.integers(0, num_classes(config), batch, np.int32), split)
-  mask = train_lib.on_mesh(np.ones((batch,), np.float32), split)
+  mask = sharding.on_mesh(np.ones((batch,), np.float32), split)
   data_key = jax.random.PRNGKey(seed + 2)
 
   train = jax.jit(functools.partial(family_steps.train_step, graphdef),
@@ -358,7 +357,7 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
       'batch_size': batch,
       'image_shape': list(shape),
       'model_options': {k: str(v) for k, v in
-                        train_lib.model_options(config).items()},
+                        state_lib.model_options(config).items()},
       'dtype': dtype,
       'num_devices': num_devices,
       'num_params': num_params,
@@ -666,7 +665,7 @@ def write_outputs(rows: list[dict[str, Any]], output: str, markdown: str
   table = markdown_tables(rows)
   if output:
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    train_lib.write_json_atomic(output, {
+    metrics_lib.write_json_atomic(output, {
         'command': ' '.join(['python -m experiments.benchmark'] + sys.argv[1:]),
         'rows': rows})
   if markdown:

@@ -4,7 +4,8 @@
 
 Reads the model from WORKDIR (config.json and the checkpoint selected on
 validation, or the latest with --which=latest) and the first --num_images
-test images of the dataset it was trained on, then writes
+test images of the dataset it was trained on, then writes (the
+``reconstructions`` evaluator)
   reconstructions.png  inputs above their reconstructions (Sabour et al.
                        Fig. 3), true and predicted labels;
   perturbation.png     the winning capsule of test image --perturbation_index
@@ -13,16 +14,11 @@ test images of the dataset it was trained on, then writes
 into --output_dir (default WORKDIR/figures) and prints their paths.
 """
 
-import os
-
-import numpy as np
 from absl import app
 from absl import flags
-from flax import nnx
 
-from capsjax import data as data_lib
-from capsjax import figures
-from capsjax import train_lib
+from capsjax import evaluators
+from capsjax import training
 from experiments import launcher
 
 _WORKDIR = flags.DEFINE_string(
@@ -44,49 +40,14 @@ _WHICH = flags.DEFINE_enum(
     "validation) or 'latest'.")
 
 
-def test_split(config: dict, data_dir: str | None) -> data_lib.Split:
-  """The test split of the dataset the run in ``config`` trained on."""
-  data_dir = data_dir or config.get('data_dir') or None
-  return data_lib.load_dataset(config['dataset'], data_dir=data_dir,
-                               validation_size=0).test
-
-
-def write_figures(model: nnx.Module, test: data_lib.Split, output_dir: str,
-                  num_images: int, perturbation_index: int,
-                  class_names=None) -> list[str]:
-  if perturbation_index >= len(test.labels):
-    raise ValueError(f'--perturbation_index {perturbation_index} is past the '
-                     f'{len(test.labels)} test images.')
-  images = data_lib.to_float(test.images[:num_images])
-  outputs = figures.model_outputs(model, images)
-  if 'reconstructions' not in outputs:
-    raise ValueError('the model has no reconstruction decoder; nothing to '
-                     'draw (train with model_options.reconstruction=True).')
-  paths = [os.path.join(output_dir, 'reconstructions.png'),
-           os.path.join(output_dir, 'perturbation.png')]
-  figures.reconstruction_grid(
-      images, outputs['reconstructions'], paths[0],
-      labels=test.labels[:num_images],
-      predictions=np.argmax(outputs['lengths'], axis=-1),
-      class_names=class_names)
-  image = data_lib.to_float(test.images[perturbation_index])
-  figures.perturbation_grid(model, image, paths[1], class_names=class_names)
-  return paths
-
-
 def make_figures() -> None:
-  workdir = _WORKDIR.value
-  config = train_lib.read_workdir_config(workdir)
-  if config.get('model') != 'capsnet':
-    raise ValueError(f"{workdir} holds a {config.get('model')!r} model; "
-                     "these figures need a 'capsnet' with a decoder.")
-  model = train_lib.load_trained_model(workdir, _WHICH.value)
-  test = test_split(config, _DATA_DIR.value)
-  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
-  paths = write_figures(model, test, output_dir, _NUM_IMAGES.value,
-                        _PERTURBATION_INDEX.value,
-                        figures.CLASS_NAMES.get(config['dataset']))
-  for path in paths:
+  context = training.load_context(_WORKDIR.value, _WHICH.value,
+                                  _DATA_DIR.value)
+  paths = evaluators.get('reconstructions').evaluate(
+      context, num_images=_NUM_IMAGES.value,
+      perturbation_index=_PERTURBATION_INDEX.value,
+      output_dir=_OUTPUT_DIR.value or '')
+  for path in paths.values():
     print(path)
 
 

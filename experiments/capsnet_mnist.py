@@ -9,8 +9,8 @@ summary (validation and test accuracy, steps, wall time, images/s) is
 written to WORKDIR/summary.json; TensorBoard logs to WORKDIR/tensorboard.
 """
 
-from capsjax import train_dynamic
+from capsjax import training
 from experiments import launcher
 
 if __name__ == '__main__':
-  launcher.run(train_dynamic.train_and_evaluate, 'capsnet_mnist.py')
+  launcher.run(training.train, 'capsnet_mnist.py')

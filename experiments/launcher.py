@@ -49,6 +49,14 @@ def _one_line(error: BaseException) -> str:
   return lines[0] if lines else type(error).__name__
 
 
+def _innermost(error: BaseException) -> str:
+  """ml_collections' message (with its "did you mean"), on one line; it
+  wraps the KeyError in an AttributeError."""
+  while error.args and isinstance(error.args[0], BaseException):
+    error = error.args[0]
+  return ' '.join(str(error.args[0] if error.args else error).split())
+
+
 def usage_error(error: BaseException) -> None:
   """Print a bad flag as one ``error: ...`` line and exit with status 2."""
   print(f'error: {_one_line(error)} (see --help)', file=sys.stderr)
@@ -64,6 +72,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     usage_error(e)
+  except (AttributeError, KeyError) as e:  # --config.KEY naming no key
+    usage_error(ValueError(f'a --config.KEY=VALUE override names a key the '
+                           f'config lacks: {_innermost(e)}'))
 
 
 def _define_distributed_flags() -> dict[str, flags.FlagHolder]:
@@ -104,11 +115,8 @@ def run(train_and_evaluate: Callable, default_config: str, *,
         'Experiment config file, optionally with :variant (e.g. :smoke); '
         'override single keys with --config.KEY=VALUE.', lock_config=True)
   except (AttributeError, KeyError) as e:
-    while e.args and isinstance(e.args[0], BaseException):
-      e = e.args[0]  # ml_collections wraps the KeyError in an AttributeError
-    detail = ' '.join(str(e.args[0] if e.args else e).split())
     usage_error(ValueError(f'a --config.KEY=VALUE override names a key the '
-                           f'config lacks: {detail}'))
+                           f'config lacks: {_innermost(e)}'))
   except (TypeError, ValueError) as e:
     usage_error(e)
   flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
@@ -117,8 +125,8 @@ def run(train_and_evaluate: Callable, default_config: str, *,
   def main(argv):
     def body():
       if distributed['distributed'].value:
-        from capsjax import train_lib  # imports jax: after the flags
-        train_lib.initialize_distributed(
+        from capsjax.training import sharding  # imports jax: after flags
+        sharding.initialize_distributed(
             distributed['coordinator_address'].value,
             distributed['num_processes'].value,
             distributed['process_id'].value)

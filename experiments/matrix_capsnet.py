@@ -9,8 +9,8 @@ Rerunning with the same --workdir resumes from the last checkpoint; the
 summary goes to WORKDIR/summary.json, TensorBoard logs to WORKDIR/tensorboard.
 """
 
-from capsjax import train_em
+from capsjax import training
 from experiments import launcher
 
 if __name__ == '__main__':
-  launcher.run(train_em.train_and_evaluate, 'matrix_capsnet_mnist.py')
+  launcher.run(training.train, 'matrix_capsnet_mnist.py')

@@ -7,19 +7,15 @@ class a heatmap over the primary capsule grid, each capsule weighted by its
 length. A matrix-capsule (EM) workdir gets the class layer's assignments
 R_ij: for each class a heatmap over the ConvCaps2 grid, each capsule
 weighted by its activation. The picture goes to --output_dir (default
-WORKDIR/figures)/routing.png, whose path is printed.
+WORKDIR/figures)/routing.png, whose path is printed (the ``routing_picture``
+evaluator).
 """
 
-import os
-
-import ml_collections
 from absl import app
 from absl import flags
 
-from capsjax import data as data_lib
-from capsjax import figures
-from capsjax import train_em
-from capsjax import train_lib
+from capsjax import evaluators
+from capsjax import training
 from experiments import launcher
 
 _WORKDIR = flags.DEFINE_string(
@@ -37,46 +33,14 @@ _WHICH = flags.DEFINE_enum(
     'which', 'best', ['best', 'latest'], "Checkpoint: 'best' (selected on "
     "validation) or 'latest'.")
 
-_ROUTED_MODELS = ('capsnet', 'matrix_capsnet')
-
-
-def load_test_split(config: ml_collections.ConfigDict, data_dir: str | None
-                    ) -> data_lib.Split:
-  """The test split the run in ``config`` was evaluated on."""
-  options = {}
-  if config.dataset == 'smallnorb':
-    options = {'stereo': config.stereo,
-               'viewpoint_split': config.viewpoint_split or None}
-  return data_lib.load_dataset(
-      config.dataset, data_dir=data_dir or config.data_dir or None,
-      validation_size=0, **options).test
-
-
-def model_input(config: ml_collections.ConfigDict, images):
-  """uint8 test images -> what the model saw at evaluation."""
-  if config.model == 'matrix_capsnet':
-    return train_em.preprocess(config, images, None)
-  return data_lib.to_float(images)
-
 
 def draw_routing() -> None:
-  workdir = _WORKDIR.value
-  config = train_lib.read_workdir_config(workdir)
-  if config.model not in _ROUTED_MODELS:
-    raise ValueError(f'{workdir} holds a {config.model!r} model, which does '
-                     f'not route; expected one of {_ROUTED_MODELS}.')
-  model = train_lib.load_trained_model(workdir, _WHICH.value)
-  test = load_test_split(config, _DATA_DIR.value)
-  index = _INDEX.value
-  if index >= len(test.labels):
-    raise ValueError(
-        f'--index {index} is past the {len(test.labels)} test images.')
-  image = model_input(config, test.images[index:index + 1])[0]
-  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'figures')
-  path = os.path.join(output_dir, 'routing.png')
-  figures.routing_figure(model, image, path,
-                         class_names=figures.CLASS_NAMES.get(config.dataset))
-  print(f'test image {index} (label {int(test.labels[index])}): {path}')
+  context = training.load_context(_WORKDIR.value, _WHICH.value,
+                                  _DATA_DIR.value)
+  picture = evaluators.get('routing_picture').evaluate(
+      context, index=_INDEX.value, output_dir=_OUTPUT_DIR.value or '')
+  print(f'test image {picture["index"]} (label {picture["label"]}): '
+        f'{picture["figure"]}')
 
 
 def main(argv):

@@ -8,6 +8,7 @@ import sys
 import chex
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,7 +16,8 @@ from flax import nnx
 from capsjax import adversarial
 from capsjax import losses
 from capsjax import models
-from capsjax import robustness
+from capsjax.evaluators import attacks
+from experiments import adversarial as adversarial_experiment
 from experiments.configs import adversarial as adversarial_config
 from tests import conftest
 from tests.conftest import REPO
@@ -269,20 +271,26 @@ def test_evaluate_attacks_on_capsule_models():
     assert out['zero_gradient_fraction'] < 1.0, name
 
 
+def _check(config):
+  """The experiment's check of its attack keys, before any training."""
+  attacks.check(ml_collections.ConfigDict({'dataset': 'mnist'}),
+                **adversarial_experiment.attack_options(config))
+
+
 def test_config_checks():
   config = adversarial_config.get_config()
-  robustness.check_config(config)
+  _check(config)
   assert config.epsilons == (0.0, 0.05, 0.1, 0.2, 0.3)
   # BIM can reach the largest epsilon.
   assert config.bim_steps * config.bim_step_size >= max(config.epsilons)
-  for key, value, match in (('attacks', ('fgsm', 'cw'), 'config.attacks'),
-                            ('epsilons', (0.1, 2.0), 'config.epsilons'),
-                            ('loss', 'hinge', 'config.loss'),
-                            ('bim_steps', -1, 'config.bim_steps')):
+  for key, value, match in (('attacks', ('fgsm', 'cw'), 'attacks must'),
+                            ('epsilons', (0.1, 2.0), 'epsilons must'),
+                            ('loss', 'hinge', 'loss must'),
+                            ('bim_steps', -1, 'bim_steps must')):
     bad = adversarial_config.get_config()
     bad[key] = value
     with pytest.raises(ValueError, match=match):
-      robustness.check_config(bad)
+      _check(bad)
   with pytest.raises(ValueError, match='unknown variant'):
     adversarial_config.get_config('nonsense')
 

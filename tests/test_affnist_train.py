@@ -13,10 +13,11 @@ import pytest
 from flax import nnx
 
 from capsjax import data as data_lib
+from capsjax import figures
 from capsjax import models
-from capsjax import sabour_experiments
-from capsjax import train_dynamic
-from capsjax import train_lib
+from capsjax.training import dynamic
+from capsjax.training import loop
+from capsjax.training import state as state_lib
 from experiments.configs import capsnet_affnist
 from experiments.configs import common
 from tests import conftest
@@ -37,7 +38,7 @@ def _digits(seed, n):
 
 def test_on_canvas_places_each_digit_whole_and_fixed_by_seed():
   images, labels = _digits(0, 50)
-  split = train_dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=3)
+  split = dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=3)
   assert split.images.shape == (50, 40, 40, 1)
   assert split.images.dtype == np.uint8
   np.testing.assert_array_equal(split.labels, labels)
@@ -52,11 +53,11 @@ def test_on_canvas_places_each_digit_whole_and_fixed_by_seed():
     assert placed.sum() == source.sum()
     corners.add((dr, dc))
   assert len(corners) > 20  # random places, not one
-  again = train_dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=3)
+  again = dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=3)
   np.testing.assert_array_equal(again.images, split.images)
-  other = train_dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=4)
+  other = dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=4)
   assert not np.array_equal(other.images, split.images)
-  empty = train_dynamic.on_canvas(data_lib.Split(images[:0], labels[:0]), 40, 0)
+  empty = dynamic.on_canvas(data_lib.Split(images[:0], labels[:0]), 40, 0)
   assert empty.images.shape == (0, 40, 40, 1)
 
 
@@ -75,10 +76,10 @@ def _baseline_config(**overrides):
 def test_train_step_places_digits_on_the_canvas_with_the_key():
   config = _baseline_config()
   images, labels = _digits(1, 8)
-  optimizer = train_lib.make_optimizer(config)
-  steps = train_dynamic.make_steps(config, optimizer)
-  graphdef, state = train_lib.init_train_state(
-      train_lib.create_model(config), optimizer)
+  optimizer = state_lib.make_optimizer(config)
+  steps = dynamic.make_steps(config, optimizer)
+  graphdef, state = state_lib.init_train_state(
+      state_lib.create_model(config), optimizer)
   key = jax.random.key(5)
   placed = data_lib.place_on_canvas(jax.random.fold_in(key, 1),
                                     data_lib.to_float(images), 40)
@@ -93,10 +94,10 @@ def test_train_step_places_digits_on_the_canvas_with_the_key():
 def _dataset(n_train=64, n_eval=32):
   images, labels = _digits(2, n_train + 2 * n_eval)
   train = data_lib.Split(images[:n_train], labels[:n_train])
-  val = train_dynamic.on_canvas(
+  val = dynamic.on_canvas(
       data_lib.Split(images[n_train:n_train + n_eval],
                      labels[n_train:n_train + n_eval]), 40, 0)
-  test = train_dynamic.on_canvas(
+  test = dynamic.on_canvas(
       data_lib.Split(images[-n_eval:], labels[-n_eval:]), 40, 1)
   return data_lib.Dataset(train, val, test, 10, 'blobs')
 
@@ -106,36 +107,36 @@ def test_target_accuracy_stops_training_and_resume_keeps_it(tmp_path):
   config = _baseline_config(num_train_steps=30, eval_every_steps=5,
                             checkpoint_every_steps=5, log_every_steps=5,
                             target_accuracy=1e-6)
-  steps = train_dynamic.make_steps(config, train_lib.make_optimizer(config))
-  extra = {'again': dataset.test}
-  summary = train_lib.fit(config, str(tmp_path), steps, dataset,
-                          extra_tests=extra)
+  steps = dynamic.make_steps(config, state_lib.make_optimizer(config))
+  config.evals = {'again': dict(type='classification', split='test')}
+  summary = loop.fit(config, str(tmp_path), steps, dataset)
   # Any accuracy > 0 reaches the target at the first evaluation.
   assert summary['validation']['accuracy'] >= 1e-6
   assert summary['steps'] == 5 and summary['reached_target']
   assert summary['target_accuracy'] == 1e-6
-  assert summary['extra_tests']['again'] == summary['test']
+  assert summary['evals']['again'] == summary['test']
   # A rerun of a run that reached its target trains no further.
-  again = train_lib.fit(config, str(tmp_path), steps, dataset)
+  config.evals = {}
+  again = loop.fit(config, str(tmp_path), steps, dataset)
   assert again['steps'] == 5 and again['reached_target']
-  assert 'extra_tests' not in again
+  assert 'evals' not in again
 
   # An unreachable target: all steps, not reached.
   config.target_accuracy = 1.0  # 32 random blobs: never all right
-  unreached = train_lib.fit(config, str(tmp_path / 'all'), steps, dataset)
+  unreached = loop.fit(config, str(tmp_path / 'all'), steps, dataset)
   assert unreached['steps'] == 30 and not unreached['reached_target']
 
 
 def test_bad_training_keys_are_clear_errors():
   with pytest.raises(ValueError, match=r'config.target_accuracy must be in'):
-    train_lib.check_config(_baseline_config(target_accuracy=1.5))
+    loop.check_config(_baseline_config(target_accuracy=1.5))
   with pytest.raises(ValueError, match=r'config.canvas_size must be'):
-    train_lib.check_config(_baseline_config(canvas_size=-40))
+    loop.check_config(_baseline_config(canvas_size=-40))
 
 
 def test_configs():
   count = lambda c: models.count_params(nnx.eval_shape(
-      lambda: train_lib.create_model(c)))
+      lambda: state_lib.create_model(c)))
   paper = capsnet_affnist.get_config()
   assert paper.to_dict() == capsnet_affnist.get_config('paper').to_dict()
   assert count(paper.capsnet) == 13_475_808
@@ -154,7 +155,7 @@ def test_configs():
 
 def test_affnist_figure(tmp_path):
   images = np.zeros((3, 40, 40, 1), np.uint8)
-  fig = sabour_experiments.affnist_figure(
+  fig = figures.affnist_figure(
       images, [1, 2, 3], {'capsnet': [1, 2, 4], 'baseline_cnn': [0, 2, 3]},
       tmp_path / 'a.png')
   texts = [t for ax in fig.axes for t in ax.texts]

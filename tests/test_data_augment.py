@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capsjax import train_lib
 from capsjax.data import center_crop
 from capsjax.data import place_on_canvas
 from capsjax.data import random_shift
 from capsjax.data import shift
 from capsjax.data import to_float
 from capsjax.data.augment import random_offsets
+from capsjax.training import state as state_lib
 
 # One compiled function per operation, shared by the tests (compiling is
 # most of their cost).
@@ -139,9 +139,9 @@ def test_digit_inputs_shift_then_crop():
   """Training shifts the 28x28 digit, then both paths crop the centre."""
   images = (np.arange(2 * 28 * 28) % 256).astype(np.uint8).reshape(2, 28, 28, 1)
   key = jax.random.key(3)
-  train = train_lib.digit_inputs(images, key, 2, center_crop=20)
+  train = state_lib.digit_inputs(images, key, 2, center_crop=20)
   shifted = random_shift(key, to_float(images), 2)
   np.testing.assert_array_equal(train, shifted[:, 4:24, 4:24])
-  evaluation = train_lib.digit_inputs(images, None, 2, center_crop=20)
+  evaluation = state_lib.digit_inputs(images, None, 2, center_crop=20)
   np.testing.assert_allclose(evaluation, images[:, 4:24, 4:24] / 255.0,
                              rtol=1e-6)

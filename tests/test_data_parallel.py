@@ -18,11 +18,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from capsjax import train_lib
+from capsjax.training import checkpoints
 from tests import conftest
-from tests.test_train_dynamic import TINY
-from tests.test_train_dynamic import TINY_OPTIONS
-from tests.test_train_dynamic import write_tiny_mnist
+from tests.test_training_dynamic import TINY
+from tests.test_training_dynamic import TINY_OPTIONS
+from tests.test_training_dynamic import write_tiny_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,15 +33,16 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 import jax
 import numpy as np
 from flax import nnx
-from capsjax import train_dynamic, train_em, train_lib
+from capsjax.training import checkpoints, dynamic, em
+from capsjax.training import state as state_lib
 from experiments.configs import capsnet_mnist, matrix_capsnet_mnist
 
 family, data_dir, workdir, options, settings = sys.argv[1:]
 assert jax.device_count() == 8, jax.devices()
 if family == 'capsnet':
-  base, train = capsnet_mnist.get_config('smoke'), train_dynamic
+  base, train = capsnet_mnist.get_config('smoke'), dynamic
 else:
-  base, train = matrix_capsnet_mnist.get_config('smoke'), train_em
+  base, train = matrix_capsnet_mnist.get_config('smoke'), em
 base.model_options.update(json.loads(options))
 base.update(json.loads(settings))
 base.data_dir = data_dir
@@ -52,7 +53,7 @@ for n in (1, 2, 4, 8):
   config.num_devices = n
   summary = train.train_and_evaluate(config, f'{workdir}/{n}')
   assert summary['num_devices'] == n, summary
-  model = train_lib.load_trained_model(f'{workdir}/{n}', which='latest')
+  model = checkpoints.load_trained_model(f'{workdir}/{n}', which='latest')
   params[n] = [np.asarray(x) for x in
                jax.tree.leaves(nnx.state(model, nnx.Param))]
   losses[n] = summary['test']['loss']
@@ -62,7 +63,7 @@ for n in (1, 2, 4, 8):
                if 'train/loss' in r]
 scale = max(float(np.max(np.abs(p))) for p in params[1])
 init = [np.asarray(x) for x in jax.tree.leaves(
-    nnx.state(train_lib.create_model(base), nnx.Param))]
+    nnx.state(state_lib.create_model(base), nnx.Param))]
 print(json.dumps({
     'max_param_diff': {n: max(float(np.max(np.abs(a - b))) for a, b in
                               zip(params[1], params[n], strict=True))
@@ -189,7 +190,7 @@ def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
     for key in ('train/loss', 'train/grad_norm', 'validation/loss'):
       assert a.get(key) == b.get(key), (key, a, b)
   params = [[np.asarray(x) for x in jax.tree.leaves(nnx.state(
-      train_lib.load_trained_model(str(tmp_path / name), 'latest'),
+      checkpoints.load_trained_model(str(tmp_path / name), 'latest'),
       nnx.Param))] for name in ('two_processes', 'one_process')]
   for a, b in zip(*params, strict=True):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from capsjax import figures
 from capsjax import models
+from capsjax.training import dynamic
 from tests import conftest
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
@@ -185,7 +186,6 @@ def _run(module, *args):
 
 @pytest.fixture(scope='module')
 def capsnet_workdir(tmp_path_factory):
-  from capsjax import train_dynamic
   from experiments.configs import capsnet_mnist
   config = capsnet_mnist.get_config('smoke')
   config.num_train_steps = 4
@@ -202,7 +202,7 @@ def capsnet_workdir(tmp_path_factory):
   config.data_dir = conftest.write_mnist_subset(
       tmp_path_factory.mktemp('mnist'), 400, 100)
   workdir = str(tmp_path_factory.mktemp('capsnet_workdir'))
-  train_dynamic.train_and_evaluate(config, workdir)
+  dynamic.train_and_evaluate(config, workdir)
   return workdir
 
 

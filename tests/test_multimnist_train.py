@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 
 from capsjax import data as data_lib
+from capsjax import figures
 from capsjax import models
-from capsjax import sabour_experiments
-from capsjax import train_dynamic
-from capsjax import train_lib
+from capsjax.training import dynamic
+from capsjax.training import state as state_lib
 from experiments.configs import capsnet_multimnist
 from tests import conftest
 from tests.conftest import REPO
@@ -72,7 +72,7 @@ def test_two_label_margin_and_reconstruction_loss_match_numpy():
   lengths, labels, recon, digits = _inputs(0)
   outputs = {'lengths': lengths, 'digit_reconstructions': recon}
   loss, metrics = jax.jit(functools.partial(
-      train_dynamic.two_digit_loss, config=_config()))(outputs, labels, digits)
+      dynamic.two_digit_loss, config=_config()))(outputs, labels, digits)
   margin = margin_reference(lengths, labels)
   # Each reconstruction against its OWN digit, summed over the two digits.
   flat = digits.reshape(5, 2, -1).astype(np.float64)
@@ -83,19 +83,19 @@ def test_two_label_margin_and_reconstruction_loss_match_numpy():
                              reconstruction.mean(), rtol=1e-5)
   # Swapping the two targets' images changes the loss: no digit is matched
   # against the other's reconstruction.
-  swapped, _ = train_dynamic.two_digit_loss(outputs, labels, digits[:, ::-1],
+  swapped, _ = dynamic.two_digit_loss(outputs, labels, digits[:, ::-1],
                                             _config())
   assert np.all(np.abs(np.asarray(swapped) - np.asarray(loss)) > 1e-4)
 
 
 def test_two_label_margin_loss_without_decoder_and_label_order():
   lengths, labels, _, _ = _inputs(1)
-  loss, metrics = train_dynamic.two_digit_loss(
+  loss, metrics = dynamic.two_digit_loss(
       {'lengths': lengths}, labels, None, _config())
   np.testing.assert_allclose(loss, margin_reference(lengths, labels),
                              rtol=1e-5)
   assert 'reconstruction_loss' not in metrics
-  flipped, _ = train_dynamic.two_digit_loss(
+  flipped, _ = dynamic.two_digit_loss(
       {'lengths': lengths}, labels[:, ::-1], None, _config())
   np.testing.assert_allclose(flipped, loss, rtol=1e-6)
 
@@ -103,13 +103,13 @@ def test_two_label_margin_loss_without_decoder_and_label_order():
 def test_baseline_sigmoid_loss_matches_numpy():
   logits, labels, _, _ = _inputs(2)
   logits = 4 * logits - 2
-  loss, _ = train_dynamic.two_digit_loss({'logits': logits}, labels, None,
+  loss, _ = dynamic.two_digit_loss({'logits': logits}, labels, None,
                                          _config())
   np.testing.assert_allclose(loss, bce_reference(logits, labels), rtol=1e-5)
 
 
 def test_multi_hot():
-  got = train_dynamic.multi_hot(jnp.array([[3, 7], [0, 9]]), 10)
+  got = dynamic.multi_hot(jnp.array([[3, 7], [0, 9]]), 10)
   want = np.zeros((2, 10), np.float32)
   want[0, [3, 7]] = want[1, [0, 9]] = 1
   np.testing.assert_array_equal(got, want)
@@ -126,10 +126,10 @@ def test_top_2_metric_on_hand_made_scores():
   ], np.float32)
   labels = np.array([[1, 3], [3, 1], [1, 2], [0, 1], [9, 8], [8, 7]],
                     np.int32)
-  got = jax.jit(train_dynamic.top_k_correct)(scores, labels)
+  got = jax.jit(dynamic.top_k_correct)(scores, labels)
   np.testing.assert_array_equal(got, [True, True, False, False, True, False])
   # With one label per example it is plain argmax accuracy.
-  single = train_dynamic.top_k_correct(scores, labels[:, :1])
+  single = dynamic.top_k_correct(scores, labels[:, :1])
   np.testing.assert_array_equal(single, np.argmax(scores, 1) == labels[:, 0])
 
 
@@ -185,10 +185,10 @@ def test_pack_pairs_keeps_the_pixels():
   images = rng.integers(0, 256, (40, 28, 28, 1)).astype(np.uint8)
   pairs = jax.device_get(data_lib.multimnist_batch(
       jax.random.key(0), images, np.arange(40) % 10, 3))
-  split = train_dynamic.pack_pairs(pairs)
+  split = dynamic.pack_pairs(pairs)
   assert split.images.dtype == np.uint8 and split.images.shape == (3, 36, 36, 3)
   assert split.labels.dtype == np.int32
-  inputs, digits = train_dynamic.unpack_pairs(split.images)
+  inputs, digits = dynamic.unpack_pairs(split.images)
   # Up to float32 rounding: within a tenth of a grey level.
   np.testing.assert_allclose(inputs, pairs['image'], atol=1e-6, rtol=0)
   np.testing.assert_allclose(digits[:, 0], pairs['first'], atol=1e-6, rtol=0)
@@ -204,11 +204,11 @@ def test_train_step_draws_its_pairs_from_the_key():
   rng = np.random.default_rng(5)
   images = rng.integers(0, 256, (30, 28, 28, 1)).astype(np.uint8)
   labels = (np.arange(30) % 10).astype(np.int32)
-  optimizer = train_lib.make_optimizer(config)
-  steps = train_dynamic.make_multimnist_steps(config, optimizer)
+  optimizer = state_lib.make_optimizer(config)
+  steps = dynamic.make_multimnist_steps(config, optimizer)
   assert steps.draws_batches
-  graphdef, state = train_lib.init_train_state(
-      train_lib.create_model(config), optimizer)
+  graphdef, state = state_lib.init_train_state(
+      state_lib.create_model(config), optimizer)
   model = nnx.merge(graphdef, state.params, state.model_state)
   key = jax.random.key(7)
   batch = data_lib.multimnist_batch(key, images, labels, 4)
@@ -224,12 +224,12 @@ def test_train_step_draws_its_pairs_from_the_key():
 
   # The eval step on the same pairs, packed, gives the same loss and the
   # top-2 count.
-  pairs = train_dynamic.pack_pairs(jax.device_get(batch))
+  pairs = dynamic.pack_pairs(jax.device_get(batch))
   sums = jax.jit(functools.partial(steps.eval_step, graphdef))(
       state.params, state.model_state, pairs.images, pairs.labels,
       np.ones(4, bool))
   np.testing.assert_allclose(sums['loss'], want.sum(), rtol=1e-4)
-  correct = train_dynamic.top_k_correct(outputs['lengths'], batch['labels'])
+  correct = dynamic.top_k_correct(outputs['lengths'], batch['labels'])
   assert int(sums['correct']) == int(np.sum(correct))
 
 
@@ -237,18 +237,18 @@ def test_multimnist_figure_colours(tmp_path):
   recon = np.zeros((2, 2, 36 * 36), np.float32)
   recon[:, 0, :10] = 1.0
   recon[:, 1, 5:20] = 1.0
-  rgb = sabour_experiments.two_colour(recon.reshape(2, 2, 36, 36))
+  rgb = figures.two_colour(recon.reshape(2, 2, 36, 36))
   assert rgb.shape == (2, 36, 36, 3)
   np.testing.assert_array_equal(rgb[0, 0, :5], [[1, 0, 0]] * 5)  # red only
   np.testing.assert_array_equal(rgb[0, 0, 5:10], [[1, 1, 0]] * 5)  # both
   np.testing.assert_array_equal(rgb[0, 0, 10:20], [[0, 1, 0]] * 10)  # green
   path = tmp_path / 'f.png'
-  sabour_experiments.multimnist_figure(
+  figures.multimnist_figure(
       np.zeros((2, 36, 36, 1)), recon, [[0, 1], [2, 3]], [[1, 0], [2, 4]],
       path)
   assert path.stat().st_size > 0
   with pytest.raises(ValueError, match='two 36x36 digits'):
-    sabour_experiments.multimnist_figure(np.zeros((2, 36, 36, 1)), recon[:1],
+    figures.multimnist_figure(np.zeros((2, 36, 36, 1)), recon[:1],
                                          [[0, 1]] * 2, [[0, 1]] * 2)
 
 
@@ -260,7 +260,7 @@ def test_bad_pair_counts_are_clear_errors():
   config = capsnet_multimnist.get_config('smoke')
   config.test_pairs = -1
   with pytest.raises(ValueError, match=r'config.test_pairs must be an int'):
-    train_dynamic.multimnist_dataset(config)
+    dynamic.multimnist_dataset(config)
 
 
 def test_configs():
@@ -269,7 +269,7 @@ def test_configs():
   assert paper.model_options.input_shape == (36, 36, 1)
   assert paper.max_shift == 4 and paper.dataset == 'multimnist'
   count = lambda c: models.count_params(nnx.eval_shape(
-      lambda: train_lib.create_model(c)))
+      lambda: state_lib.create_model(c)))
   # The paper's MultiMNIST CapsNet has 11.36M parameters.
   assert count(paper) == 11_361_968
   assert capsnet_multimnist.get_config('baseline').model == 'baseline_cnn'

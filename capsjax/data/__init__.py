@@ -6,6 +6,7 @@ JAX functions of a PRNG key and a batch.
 """
 
 from capsjax.data.affnist import affine_mnist
+from capsjax.data.affnist import affnist_files
 from capsjax.data.affnist import load_affnist
 from capsjax.data.augment import center_crop
 from capsjax.data.augment import place_on_canvas
@@ -31,6 +32,7 @@ __all__ = (
     'Dataset',
     'Split',
     'affine_mnist',
+    'affnist_files',
     'center_crop',
     'load_affnist',
     'load_dataset',

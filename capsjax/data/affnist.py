@@ -129,8 +129,9 @@ def _batch_files(directory: Path) -> list[Path]:
   return sorted(numbered, key=lambda p: int(p.stem))
 
 
-def load_affnist(path_or_dir: PathLike, *, split: str = 'test') -> Split:
-  """affNIST images and labels from the release.
+def affnist_files(path_or_dir: PathLike, split: str = 'test') -> list[Path]:
+  """The release files ``load_affnist`` reads, in order, without reading
+  them; FileNotFoundError saying what is missing and where to get it.
 
   Args:
     path_or_dir: a release file (``test.mat``, ``test_batches/7.mat``,
@@ -139,25 +140,34 @@ def load_affnist(path_or_dir: PathLike, *, split: str = 'test') -> Split:
       numbered files themselves (concatenated in numeric order).
     split: 'test', 'training', 'validation' or 'training_and_validation';
       used only for a directory.
-
-  Returns:
-    ``Split`` with uint8 ``[N, 40, 40, 1]`` images and int32 ``[N]`` labels.
   """
   path = Path(path_or_dir).expanduser()
   if path.is_file():
-    return read_affnist_mat(path)
+    return [path]
   if not path.is_dir():
     raise FileNotFoundError(f'{path}: no such affNIST file or directory')
   for name in (f'{split}.mat', f'{split}.mat.zip'):
     if (path / name).is_file():
-      return read_affnist_mat(path / name)
+      return [path / name]
   batches = _batch_files(path / f'{split}_batches') or _batch_files(path)
   if not batches:
     raise FileNotFoundError(
         f'{path}: found neither {split}.mat, {split}.mat.zip, '
         f'{split}_batches/<n>.mat nor <n>.mat files. Download affNIST from '
         'https://www.cs.toronto.edu/~tijmen/affNIST/ and unzip it there.')
-  parts = [read_affnist_mat(p) for p in batches]
+  return batches
+
+
+def load_affnist(path_or_dir: PathLike, *, split: str = 'test') -> Split:
+  """affNIST images and labels from the release (``affnist_files`` says
+  which files).
+
+  Returns:
+    ``Split`` with uint8 ``[N, 40, 40, 1]`` images and int32 ``[N]`` labels.
+  """
+  parts = [read_affnist_mat(p) for p in affnist_files(path_or_dir, split)]
+  if len(parts) == 1:
+    return parts[0]
   return Split(np.concatenate([p.images for p in parts]),
                np.concatenate([p.labels for p in parts]))
 

@@ -55,8 +55,9 @@ def get_config(variant: str = ''):
   config.test_pairs = 100_000
   # Key of the fixed validation (this seed) and test (this seed + 1) pairs.
   config.eval_set_seed = 0
-  # Test examples drawn in WORKDIR/multimnist_reconstructions.png.
-  config.num_figure_examples = 8
+  if not baseline:  # the paper's Fig. 5: WORKDIR/multimnist_reconstructions.png
+    config.evals.reconstructions = dict(type='multimnist_figure',
+                                        num_examples=8)
   if 'cpu' in parts:
     if baseline:
       config.model_options.conv_channels = (32, 32, 16)
@@ -87,5 +88,6 @@ def get_config(variant: str = ''):
     config.eval_every_steps = 20
     config.checkpoint_every_steps = 20
     config.log_every_steps = 10
-    config.num_figure_examples = 4
+    if not baseline:
+      config.evals.reconstructions.num_examples = 4
   return config

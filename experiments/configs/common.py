@@ -33,6 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
   # 'bfloat16': mixed precision (bfloat16 layers on a copy of the float32
   # master weights; routing statistics, loss and update stay float32).
   config.compute_dtype = 'float32'
+  # Evaluations of the selected model after the test set (name -> dict(type=
+  # an evaluator of capsjax.evaluators, its options)), into summary['evals'].
+  config.evals = ml_collections.ConfigDict()
   # A test hook: the training batch of this step is replaced by NaN images
   # (-1: off), to check that a poisoned batch stops the run cleanly.
   config.debug_poison_step = -1

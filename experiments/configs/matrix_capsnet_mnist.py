@@ -66,7 +66,7 @@ def get_config(variant: str = ''):
   config.num_train_steps = 50_000
   for part in filter(None, variant.split(',')):
     if part == 'smoke':
-      # The CI test's model (tests/test_train_em.py): 690 steps in under a
+      # The CI test's model (tests/test_training_em.py): 690 steps in under a
       # minute of training on this 2-core CPU, 96.50% test accuracy (seed
       # 1: 96.28%), so that CI's slower machine runs every step well inside
       # the 280 s guard (results/em_mnist_trials/session5):

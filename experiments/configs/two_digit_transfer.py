@@ -17,8 +17,10 @@ Keys beyond ``common.base_config``:
   models                which models to train and test, in order.
   model_options         options both models take (the trunk widths).
   head_options.<model>  options of one model only.
-  num_pairs             test on the first N pairs (0: all, about 9,000).
-  confidence_threshold  accuracy 2 needs both top scores above it (0.5).
+  evals.pairs           the test (``capsjax.evaluators.two_digit_pairs``):
+                        num_pairs, the first N pairs (0: all, about
+                        9,000); confidence_threshold, accuracy 2 needs both
+                        top scores above it (0.5).
   figure_pairs          pairs drawn in WORKDIR/pairs.png.
 The pairs are drawn with ``seed``, the seed of the training runs too.
 
@@ -49,8 +51,8 @@ def get_config(variant: str = ''):
   config.log_every_steps = 50
   config.eval_every_steps = 430
   config.checkpoint_every_steps = 430
-  config.num_pairs = 0
-  config.confidence_threshold = 0.5
+  config.evals.pairs = dict(type='two_digit_pairs', num_pairs=0,
+                            confidence_threshold=0.5)
   config.figure_pairs = 8
   for part in filter(None, variant.split(',')):
     if part == 'smoke':
@@ -64,7 +66,7 @@ def get_config(variant: str = ''):
       config.eval_every_steps = 20
       config.checkpoint_every_steps = 20
       config.eval_batch_size = 100
-      config.num_pairs = 200
+      config.evals.pairs.num_pairs = 200
     else:
       raise ValueError(f'unknown variant {part!r} of two_digit_transfer; '
                        f'known: smoke.')

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from capsjax import models
-from capsjax import transfer
+from capsjax.evaluators import two_digit_pairs
+from experiments import two_digit_transfer as two_digit_transfer_experiment
 from experiments.configs import two_digit_transfer
 from tests import conftest
 from tests.conftest import REPO
@@ -45,7 +46,7 @@ def test_pair_accuracies_match_su_code():
   boost = rng.uniform(0, 0.5, (m, 2)).astype(np.float32)
   np.put_along_axis(scores, labels,
                     np.take_along_axis(scores, labels, 1) + boost, 1)
-  out = jax.jit(transfer.pair_accuracies)(scores, labels)
+  out = jax.jit(two_digit_pairs.pair_accuracies)(scores, labels)
   top2, confident = su_accuracies(scores, labels)
   np.testing.assert_array_equal(out['top2'], top2)
   np.testing.assert_array_equal(out['top2_confident'], confident)
@@ -62,13 +63,13 @@ def test_pair_accuracies_cases():
   scores[2, [3, 7]] = 0.9, 0.4     # right, but one score below 0.5
   scores[3, [3, 1]] = 0.9, 0.8     # one class wrong
   scores[4, [3, 7, 1]] = 0.9, 0.7, 0.8  # true class third
-  out = transfer.pair_accuracies(scores, labels)
+  out = two_digit_pairs.pair_accuracies(scores, labels)
   np.testing.assert_array_equal(out['top2'], [1, 1, 1, 0, 0])
   np.testing.assert_array_equal(out['top2_confident'], [1, 1, 0, 0, 0])
-  out = transfer.pair_accuracies(scores, labels, threshold=0.35)
+  out = two_digit_pairs.pair_accuracies(scores, labels, threshold=0.35)
   np.testing.assert_array_equal(out['top2_confident'], [1, 1, 1, 0, 0])
   with pytest.raises(ValueError, match=r'labels \[M, 2\]'):
-    transfer.pair_accuracies(scores, labels[:, :1])
+    two_digit_pairs.pair_accuracies(scores, labels[:, :1])
 
 
 @pytest.mark.parametrize('name', ['two_digit_baseline', 'two_digit_capsnet'])
@@ -79,14 +80,14 @@ def test_predict_scores_matches_the_model_for_any_batch(name):
   direct = model(images.astype(np.float32) / 255.0)['scores']
   for batch_size in (3, 7, 100):
     np.testing.assert_allclose(
-        transfer.predict_scores(model, images, batch_size), direct,
+        two_digit_pairs.predict_scores(model, images, batch_size), direct,
         rtol=1e-5, atol=1e-6)
 
 
 def test_model_config_merges_head_options():
   config = two_digit_transfer.get_config()
-  capsnet = transfer.model_config(config, 'two_digit_capsnet')
-  baseline = transfer.model_config(config, 'two_digit_baseline')
+  capsnet = two_digit_transfer_experiment.model_config(config, 'two_digit_capsnet')
+  baseline = two_digit_transfer_experiment.model_config(config, 'two_digit_baseline')
   assert capsnet.model == 'two_digit_capsnet'
   assert capsnet.model_options.to_dict() == {
       'trunk_widths': (64, 64, 128, 128), 'capsule_dim': 16,
@@ -107,7 +108,7 @@ def test_bad_variant_and_models_are_clear_errors(tmp_path):
   config = two_digit_transfer.get_config('smoke')
   config.models = ('capsnet',)
   with pytest.raises(ValueError, match='config.models'):
-    transfer.train_and_evaluate(config, str(tmp_path))
+    two_digit_transfer_experiment.train_and_evaluate(config, str(tmp_path))
 
 
 def _run(*args):
@@ -122,11 +123,14 @@ def test_help_and_bad_flags():
   for text in ('--workdir', '--config', 'accuracy 2'):
     assert text in result.stdout, text
   for bad in ('--bogus=1', '--config.no_such_key=1',
+              '--config.evals.pairs.bogus=1', '--config.batchsize=32',
               '--config=experiments/configs/two_digit_transfer.py:nope'):
     result = _run('--workdir=/nonexistent/never', bad)
     assert result.returncode == 2, (bad, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error:'), result.stderr
+    if bad == '--config.batchsize=32':  # ml_collections' suggestion kept
+      assert 'Did you mean "batch_size"' in lines[0], lines
 
 
 @needs_mnist

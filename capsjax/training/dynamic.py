@@ -3,7 +3,7 @@
 Losses: the margin loss on capsule lengths plus the scaled reconstruction
 error (Sabour et al. 2017), softmax cross-entropy for the baseline CNN, and
 Su's binary margin loss for the two-digit models. The loop itself is
-``train_lib.fit``.
+``loop.fit``.
 
 Two experiments of Sabour et al. section 6 train here too:
 - MultiMNIST (``config.dataset = 'multimnist'``): each training batch of
@@ -19,7 +19,6 @@ Two experiments of Sabour et al. section 6 train here too:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -31,16 +30,10 @@ from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import losses
-from capsjax import train_lib
+from capsjax import models
 from capsjax.data.multimnist import CANVAS_SIZE
-
-
-def class_scores(outputs: dict[str, jax.Array]) -> jax.Array:
-  """[B, K] scores whose argmax is the prediction, whatever the model."""
-  for key in ('lengths', 'logits', 'scores', 'activations'):
-    if key in outputs:
-      return outputs[key]
-  raise KeyError(f'model outputs {sorted(outputs)} hold no class scores.')
+from capsjax.training import loop
+from capsjax.training import state as state_lib
 
 
 def dynamic_loss(outputs: dict[str, jax.Array], images: jax.Array,
@@ -54,7 +47,7 @@ def dynamic_loss(outputs: dict[str, jax.Array], images: jax.Array,
     images: [B, H, W, C] float inputs (reconstruction targets).
     labels: [B] int32.
   """
-  num_classes = class_scores(outputs).shape[-1]
+  num_classes = models.class_scores(outputs).shape[-1]
   one_hot = jax.nn.one_hot(labels, num_classes)
   metrics = {}
   if 'logits' in outputs:
@@ -74,39 +67,44 @@ def dynamic_loss(outputs: dict[str, jax.Array], images: jax.Array,
   return loss, metrics
 
 
+def to_float_inputs(images: jax.Array) -> jax.Array:
+  """uint8 images -> the model's float inputs in [0, 1] at evaluation."""
+  return state_lib.digit_inputs(images, None, 0)
+
+
 def make_steps(config: ml_collections.ConfigDict,
                optimizer: optax.GradientTransformation
-               ) -> train_lib.FamilySteps:
+               ) -> state_lib.FamilySteps:
   """The jittable train and eval steps of a dynamic-routing model."""
 
   canvas_size = config.get('canvas_size') or 0
-  dtype = train_lib.compute_dtype(config)
+  dtype = state_lib.compute_dtype(config)
 
-  def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
-    images = train_lib.digit_inputs(images, key, config.max_shift)
+  def train_step(graphdef, state: state_lib.TrainState, images, labels, key):
+    images = state_lib.digit_inputs(images, key, config.max_shift)
     if canvas_size:
       images = data_lib.place_on_canvas(jax.random.fold_in(key, 1), images,
                                         canvas_size)
 
     def loss_fn(model):
-      outputs = train_lib.forward(model, images, dtype, labels, train=True)
+      outputs = state_lib.forward(model, images, dtype, labels, train=True)
       loss, metrics = dynamic_loss(outputs, images, labels, config)
-      correct = jnp.argmax(class_scores(outputs), -1) == labels
+      correct = jnp.argmax(models.class_scores(outputs), -1) == labels
       return jnp.mean(loss), metrics | {'accuracy': jnp.mean(correct)}
 
-    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
+    return state_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
-    images = train_lib.digit_inputs(images, None, 0)
-    model = nnx.merge(graphdef, train_lib.cast_floating(params, dtype),
+    images = to_float_inputs(images)
+    model = nnx.merge(graphdef, state_lib.cast_floating(params, dtype),
                       model_state)
-    outputs = train_lib.forward(model, images, dtype, train=False)
+    outputs = state_lib.forward(model, images, dtype, train=False)
     loss, _ = dynamic_loss(outputs, images, labels, config)
-    correct = jnp.argmax(class_scores(outputs), -1) == labels
+    correct = jnp.argmax(models.class_scores(outputs), -1) == labels
     return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
             'count': jnp.sum(mask)}
 
-  return train_lib.FamilySteps(train_step, eval_step)
+  return state_lib.FamilySteps(train_step, eval_step, to_float_inputs)
 
 
 # ----------------------------------------------------------------------------
@@ -135,9 +133,9 @@ def two_digit_outputs(model: nnx.Module, images: jax.Array,
   """The model's outputs plus, for a CapsNet with a decoder,
   'digit_reconstructions' [B, T, S*S]: digit t from capsule labels[:, t].
 
-  ``dtype``: the compute dtype (``train_lib.forward``); outputs float32.
+  ``dtype``: the compute dtype (``state.forward``); outputs float32.
   """
-  outputs = train_lib.forward(model, images, dtype, train=train)
+  outputs = state_lib.forward(model, images, dtype, train=train)
   if getattr(model, 'decoder', None) is not None and 'capsules' in outputs:
     outputs['digit_reconstructions'] = model.reconstruct_digits(
         outputs['capsules'], labels).astype(jnp.float32)
@@ -161,7 +159,7 @@ def two_digit_loss(outputs: dict[str, jax.Array], labels: jax.Array,
     digits: [B, T, S, S, 1] float, each digit alone (MultiMNIST 'first',
       'second').
   """
-  scores = class_scores(outputs)
+  scores = models.class_scores(outputs)
   targets = multi_hot(labels, scores.shape[-1])
   metrics = {}
   if 'logits' in outputs:
@@ -235,11 +233,11 @@ def multimnist_dataset(config: ml_collections.ConfigDict) -> data_lib.Dataset:
 
 def make_multimnist_steps(config: ml_collections.ConfigDict,
                           optimizer: optax.GradientTransformation
-                          ) -> train_lib.FamilySteps:
+                          ) -> state_lib.FamilySteps:
   """Train and eval steps on MultiMNIST; the train step draws its batch."""
-  dtype = train_lib.compute_dtype(config)
+  dtype = state_lib.compute_dtype(config)
 
-  def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
+  def train_step(graphdef, state: state_lib.TrainState, images, labels, key):
     # images, labels: the whole training split (uint8 [N, 28, 28, 1], [N]).
     batch = data_lib.multimnist_batch(key, images, labels, config.batch_size,
                                       max_shift=config.max_shift)
@@ -250,24 +248,27 @@ def make_multimnist_steps(config: ml_collections.ConfigDict,
       outputs = two_digit_outputs(model, batch['image'], pairs, train=True,
                                   dtype=dtype)
       loss, metrics = two_digit_loss(outputs, pairs, digits, config)
-      correct = top_k_correct(class_scores(outputs), pairs)
+      correct = top_k_correct(models.class_scores(outputs), pairs)
       return jnp.mean(loss), metrics | {'accuracy': jnp.mean(correct)}
 
-    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
+    return state_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
     inputs, digits = unpack_pairs(images)
-    model = nnx.merge(graphdef, train_lib.cast_floating(params, dtype),
+    model = nnx.merge(graphdef, state_lib.cast_floating(params, dtype),
                       model_state)
     # The loss reconstructs the true classes' capsules, as in training.
     outputs = two_digit_outputs(model, inputs, labels, train=False,
                                 dtype=dtype)
     loss, _ = two_digit_loss(outputs, labels, digits, config)
-    correct = top_k_correct(class_scores(outputs), labels)
+    correct = top_k_correct(models.class_scores(outputs), labels)
     return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
             'count': jnp.sum(mask)}
 
-  return train_lib.FamilySteps(train_step, eval_step, draws_batches=True)
+  # Evaluation reads the overlay of the packed pairs.
+  eval_inputs = lambda images: unpack_pairs(images)[0]  # noqa: E731
+  return state_lib.FamilySteps(train_step, eval_step, eval_inputs,
+                               draws_batches=True)
 
 
 # ----------------------------------------------------------------------------
@@ -304,17 +305,10 @@ def load_data(config: ml_collections.ConfigDict) -> data_lib.Dataset:
   return dataset
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       extra_tests: Mapping[str, data_lib.Split] | None = None
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
                        ) -> dict[str, Any]:
-  """Train a dynamic-routing model on ``config.dataset``; see train_lib.fit.
-
-  ``extra_tests`` (name -> Split of model-ready uint8 images) are evaluated
-  once, with the test set, on the model selected on validation.
-  """
-  dataset = load_data(config)
+  """Train a dynamic-routing model on ``config.dataset``; see ``loop.fit``."""
   make = (make_multimnist_steps if config.dataset == 'multimnist'
           else make_steps)
-  steps = make(config, train_lib.make_optimizer(config))
-  return train_lib.fit(config, workdir, steps, dataset,
-                       extra_tests=extra_tests)
+  steps = make(config, state_lib.make_optimizer(config))
+  return loop.fit(config, workdir, steps, load_data(config))

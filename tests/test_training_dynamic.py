@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from capsjax import train_dynamic
-from capsjax import train_lib
+from capsjax.training import checkpoints
+from capsjax.training import dynamic
+from capsjax.training import loop
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 from tests import conftest
@@ -33,7 +34,7 @@ def _launch(workdir, config, *overrides, module='experiments.capsnet_mnist'):
 
 
 def _final_params(workdir):
-  model = train_lib.load_trained_model(str(workdir), which='latest')
+  model = checkpoints.load_trained_model(str(workdir), which='latest')
   from flax import nnx
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
@@ -134,7 +135,7 @@ def _tiny_flags(data_dir, **overrides):
 
 
 def _params(workdir, which):
-  model = train_lib.load_trained_model(str(workdir), which=which)
+  model = checkpoints.load_trained_model(str(workdir), which=which)
   from flax import nnx
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
@@ -156,8 +157,7 @@ def _assert_same_params(workdir_a, workdir_b, which='latest'):
 _KILL_DRIVER = r'''
 import os, runpy, signal, sys
 from orbax.checkpoint._src.path import async_path
-from capsjax import train_dynamic
-from capsjax import train_lib
+from capsjax.training import metrics as metrics_lib
 
 kind, target = os.environ['CAPSJAX_TEST_KILL'].split(':')
 target = int(target)
@@ -169,7 +169,7 @@ def is_target(directory):  # checkpoints/TARGET[.orbax-checkpoint-tmp]
   return (directory.parent.name == 'checkpoints' and
           directory.name.split('.')[0] == str(target))
 
-write, write_text, rename = (train_lib.MetricWriter.write,
+write, write_text, rename = (metrics_lib.MetricWriter.write,
                              async_path.write_text, async_path.rename)
 
 def killing_write(self, step, scalars):
@@ -191,7 +191,7 @@ async def killing_rename(src, dst):
     die()
   return result
 
-train_lib.MetricWriter.write = killing_write
+metrics_lib.MetricWriter.write = killing_write
 async_path.write_text = killing_write_text
 async_path.rename = killing_rename
 sys.argv[0] = 'capsnet_mnist'
@@ -303,19 +303,19 @@ def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
   workdir = str(tmp_path / 'work')
   poisoned = _tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
                           checkpoint_every_steps=1, debug_poison_step=5)
-  with pytest.raises(train_lib.TrainingDiverged,
+  with pytest.raises(loop.TrainingDiverged,
                      match=r'non-finite at step 5\b') as info:
-    train_dynamic.train_and_evaluate(poisoned, workdir)
+    dynamic.train_and_evaluate(poisoned, workdir)
   assert 'last good checkpoint (step 5)' in str(info.value)
   assert os.path.join(workdir, 'checkpoints') in str(info.value)
-  checkpoints = train_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
-  assert checkpoints.latest_step() == 5
-  checkpoints.close()
+  checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  assert checkpointer.latest_step() == 5
+  checkpointer.close()
   assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
 
   clean = _tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
                        checkpoint_every_steps=1)
-  summary = train_dynamic.train_and_evaluate(clean, workdir)
+  summary = dynamic.train_and_evaluate(clean, workdir)
   assert summary['steps'] == 8
   assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
 
@@ -327,7 +327,7 @@ def test_same_seed_and_config_give_identical_runs(tmp_path, tiny_mnist):
   for name, seed in (('a', 0), ('b', 0), ('other_seed', 1)):
     config = _tiny_config(tiny_mnist, num_train_steps=4, seed=seed,
                           checkpoint_every_steps=4, eval_every_steps=4)
-    summaries[name] = train_dynamic.train_and_evaluate(
+    summaries[name] = dynamic.train_and_evaluate(
         config, str(tmp_path / name))
   _assert_same_params(tmp_path / 'a', tmp_path / 'b')
   for key in ('validation', 'test', 'steps'):
@@ -390,7 +390,7 @@ def test_full_disk_while_saving_is_one_clear_error_and_keeps_checkpoint(
   for part in (str(workdir / 'checkpoints'), 'No space left on device',
                'previous checkpoint is intact', 'Free disk space'):
     assert part in out.stderr
-  checkpoints = train_lib.Checkpointer(str(workdir / 'checkpoints'))
-  assert checkpoints.latest_step() == 2
-  checkpoints.close()
+  checkpointer = checkpoints.Checkpointer(str(workdir / 'checkpoints'))
+  assert checkpointer.latest_step() == 2
+  checkpointer.close()
   assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))

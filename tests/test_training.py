@@ -15,7 +15,11 @@ import optax
 import pytest
 from flax import nnx
 
-from capsjax import train_lib
+from capsjax.training import checkpoints
+from capsjax.training import loop
+from capsjax.training import metrics as metrics_lib
+from capsjax.training import sharding
+from capsjax.training import state as state_lib
 
 
 class _Tiny(nnx.Module):
@@ -30,32 +34,32 @@ class _Tiny(nnx.Module):
 
 def _state():
   model = _Tiny(nnx.Rngs(params=0, dropout=1))
-  return train_lib.init_train_state(model, optax.adam(0.1))
+  return state_lib.init_train_state(model, optax.adam(0.1))
 
 
 def test_batch_order_is_a_function_of_seed_and_step():
-  order = train_lib.BatchOrder(103, 10, seed=7)
+  order = sharding.BatchOrder(103, 10, seed=7)
   assert order.steps_per_epoch == 10
   first_epoch = np.concatenate([order.indices(s) for s in range(10)])
   assert len(np.unique(first_epoch)) == 100  # no repeats within an epoch
-  again = train_lib.BatchOrder(103, 10, seed=7)
+  again = sharding.BatchOrder(103, 10, seed=7)
   np.testing.assert_array_equal(again.indices(13), order.indices(13))
   np.testing.assert_array_equal(again.indices(2), first_epoch[20:30])
-  other_seed = train_lib.BatchOrder(103, 10, seed=8)
+  other_seed = sharding.BatchOrder(103, 10, seed=8)
   assert not np.array_equal(other_seed.indices(0), order.indices(0))
   assert not np.array_equal(order.indices(10), order.indices(0))
 
 
 def test_batch_order_rejects_batch_larger_than_split():
   with pytest.raises(ValueError, match='fewer than batch_size'):
-    train_lib.BatchOrder(5, 10, seed=0)
+    sharding.BatchOrder(5, 10, seed=0)
 
 
 def test_apply_gradients_skips_nonfinite_update_and_records_step():
   graphdef, state = _state()
   optimizer = optax.adam(0.1)
   grads = jax.tree.map(jnp.ones_like, state.params)
-  good, norm = train_lib.apply_gradients(state, grads, state.model_state,
+  good, norm = state_lib.apply_gradients(state, grads, state.model_state,
                                          optimizer, jnp.float32(1.0))
   assert int(good.step) == 1 and int(good.nonfinite_step) == -1
   assert float(norm) == pytest.approx(np.sqrt(3 * 2 + 2))
@@ -63,17 +67,17 @@ def test_apply_gradients_skips_nonfinite_update_and_records_step():
                                        good.params, state.params))
   assert all(bool(m) for m in moved)
   bad_grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
-  bad, _ = train_lib.apply_gradients(good, bad_grads, good.model_state,
+  bad, _ = state_lib.apply_gradients(good, bad_grads, good.model_state,
                                      optimizer, jnp.float32(1.0))
   assert int(bad.step) == 2 and int(bad.nonfinite_step) == 1
   for new, old in zip(jax.tree.leaves(bad.params), jax.tree.leaves(good.params),
                       strict=True):
     np.testing.assert_array_equal(new, old)
   # A later finite step does not overwrite the first bad step's number.
-  later, _ = train_lib.apply_gradients(bad, grads, bad.model_state, optimizer,
+  later, _ = state_lib.apply_gradients(bad, grads, bad.model_state, optimizer,
                                        jnp.float32(1.0))
   assert int(later.nonfinite_step) == 1
-  inf_loss, _ = train_lib.apply_gradients(good, grads, good.model_state,
+  inf_loss, _ = state_lib.apply_gradients(good, grads, good.model_state,
                                           optimizer, jnp.float32(jnp.inf))
   assert int(inf_loss.nonfinite_step) == 1
 
@@ -85,7 +89,7 @@ def test_checkpoint_round_trip_keeps_prng_keys(tmp_path):
   _, params, model_state = nnx.split(model, nnx.Param, ...)
   state = state._replace(params=params, model_state=model_state,
                          step=jnp.int32(5))
-  checkpointer = train_lib.Checkpointer(str(tmp_path / 'ckpt'))
+  checkpointer = checkpoints.Checkpointer(str(tmp_path / 'ckpt'))
   checkpointer.save(state)
   assert checkpointer.latest_step() == 5
   _, template = _state()
@@ -108,14 +112,14 @@ def test_partial_checkpoint_is_ignored(tmp_path):
   """A step directory left half-written by a kill is never restored."""
   _, state = _state()
   directory = tmp_path / 'ckpt'
-  checkpointer = train_lib.Checkpointer(str(directory))
+  checkpointer = checkpoints.Checkpointer(str(directory))
   checkpointer.save(state._replace(step=jnp.int32(3)))
   checkpointer.close()
   # What a kill during orbax's save leaves: its temporary directory.
   partial = directory / '4.orbax-checkpoint-tmp'
   partial.mkdir()
   (partial / 'garbage').write_bytes(b'\x00' * 10)
-  reopened = train_lib.Checkpointer(str(directory))
+  reopened = checkpoints.Checkpointer(str(directory))
   assert reopened.latest_step() == 3
   restored = reopened.restore(state)
   assert int(restored.step) == 3
@@ -126,29 +130,29 @@ def test_unwritable_workdir_gives_clear_error(tmp_path):
   blocker = tmp_path / 'file'
   blocker.write_text('not a directory')
   with pytest.raises(OSError, match='cannot write checkpoints'):
-    train_lib.Checkpointer(str(blocker / 'ckpt'))
+    checkpoints.Checkpointer(str(blocker / 'ckpt'))
 
 
 def test_learning_rate_schedule_matches_official_decay():
   config = ml_collections.ConfigDict(
       dict(learning_rate=1e-3, lr_decay_steps=2000, lr_decay_rate=0.96))
-  schedule = train_lib.learning_rate_schedule(config)
+  schedule = state_lib.learning_rate_schedule(config)
   assert float(schedule(0)) == pytest.approx(1e-3)
   assert float(schedule(2000)) == pytest.approx(1e-3 * 0.96)
   assert float(schedule(3000)) == pytest.approx(1e-3 * 0.96 ** 1.5, rel=1e-5)
 
 
 def test_batch_size_must_divide_devices():
-  mesh = train_lib.make_mesh()
-  train_lib.check_batch_size(mesh.size * 4, mesh)
+  mesh = sharding.make_mesh()
+  sharding.check_batch_size(mesh.size * 4, mesh)
   if mesh.size > 1:
     with pytest.raises(ValueError, match='not divisible'):
-      train_lib.check_batch_size(mesh.size * 4 + 1, mesh)
+      sharding.check_batch_size(mesh.size * 4 + 1, mesh)
 
 
 def test_write_json_atomic(tmp_path):
   path = str(tmp_path / 's.json')
-  train_lib.write_json_atomic(path, {'a': 1})
+  metrics_lib.write_json_atomic(path, {'a': 1})
   assert json.load(open(path)) == {'a': 1}
   assert not os.path.exists(path + '.tmp')
 
@@ -198,7 +202,7 @@ def test_full_disk_while_saving_is_clear_and_keeps_previous_checkpoint(
     tmp_path, monkeypatch, restore_save_noise_filters, where, error):
   _, state = _state()
   directory = str(tmp_path / 'ckpt')
-  checkpointer = train_lib.Checkpointer(directory)
+  checkpointer = checkpoints.Checkpointer(directory)
   checkpointer.save(state._replace(step=jnp.int32(1)))
   with monkeypatch.context() as patch:
     _fill_disk(patch, where, error)
@@ -210,7 +214,7 @@ def test_full_disk_while_saving_is_clear_and_keeps_previous_checkpoint(
                'another --workdir, then rerun to resume'):
     assert part in message, message
   assert info.value.__cause__ is error
-  reopened = train_lib.Checkpointer(directory)
+  reopened = checkpoints.Checkpointer(directory)
   assert reopened.latest_step() == 1
   restored = reopened.restore(state)
   assert int(restored.step) == 1
@@ -227,7 +231,7 @@ def test_full_disk_while_saving_is_clear_and_keeps_previous_checkpoint(
 def test_other_errors_while_saving_are_not_called_a_full_disk(
     tmp_path, monkeypatch, restore_save_noise_filters):
   _, state = _state()
-  checkpointer = train_lib.Checkpointer(str(tmp_path / 'ckpt'))
+  checkpointer = checkpoints.Checkpointer(str(tmp_path / 'ckpt'))
   _fill_disk(monkeypatch, 'arrays', ValueError('a bug, not the disk'))
   with pytest.raises(ValueError, match='^a bug, not the disk$'):
     checkpointer.save(state._replace(step=jnp.int32(1)))
@@ -238,14 +242,15 @@ import sys
 import jax.numpy as jnp, optax
 from absl import logging
 from flax import nnx
-from capsjax import train_lib
+from capsjax.training import checkpoints
+from capsjax.training import state as state_lib
 
 logging.set_verbosity(logging.WARNING)  # as the experiments run
 class Net(nnx.Module):
   def __init__(self, rngs):
     self.linear = nnx.Linear(100, 300, rngs=rngs)  # about 120 KB a checkpoint
-graphdef, state = train_lib.init_train_state(Net(nnx.Rngs(0)), optax.adam(0.1))
-checkpointer = train_lib.Checkpointer(sys.argv[1])
+graphdef, state = state_lib.init_train_state(Net(nnx.Rngs(0)), optax.adam(0.1))
+checkpointer = checkpoints.Checkpointer(sys.argv[1])
 checkpointer.save(state._replace(step=jnp.int32(1)))
 try:
   checkpointer.save(state._replace(step=jnp.int32(2)))
@@ -308,10 +313,10 @@ def test_check_config_names_the_key_and_what_it_must_be(key, value,
   from experiments.configs import common
   config = ml_collections.ConfigDict(common.base_config().to_dict(),
                                      type_safe=False)
-  train_lib.check_config(config)  # the defaults pass
+  loop.check_config(config)  # the defaults pass
   config[key] = value
   with pytest.raises(ValueError) as info:
-    train_lib.check_config(config)
+    loop.check_config(config)
   assert str(info.value).startswith(
       f'config.{key} must be {requirement}'), info.value
   assert f'got {value!r}' in str(info.value)
@@ -332,10 +337,10 @@ def test_mixed_precision_step_runs_bfloat16_on_float32_master_weights():
 
   results = {}
   for name in ('float32', 'bfloat16'):
-    dtype = train_lib.compute_dtype(ml_collections.ConfigDict(
+    dtype = state_lib.compute_dtype(ml_collections.ConfigDict(
         {'compute_dtype': name}))
-    graphdef, state = train_lib.init_train_state(model, optimizer)
-    new_state, metrics = train_lib.gradient_step(graphdef, state, optimizer,
+    graphdef, state = state_lib.init_train_state(model, optimizer)
+    new_state, metrics = state_lib.gradient_step(graphdef, state, optimizer,
                                                  loss_fn, dtype)
     results[name] = (state, new_state, metrics)
   assert seen == [jnp.float32, jnp.bfloat16]
@@ -358,4 +363,26 @@ def test_mixed_precision_step_runs_bfloat16_on_float32_master_weights():
 
 def test_compute_dtype_rejects_unknown_names():
   with pytest.raises(ValueError, match='compute_dtype must be one of'):
-    train_lib.compute_dtype(ml_collections.ConfigDict({'compute_dtype': 'fp8'}))
+    state_lib.compute_dtype(ml_collections.ConfigDict({'compute_dtype': 'fp8'}))
+
+
+def test_train_clock_counts_only_running_windows(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr(loop.time, 'perf_counter', lambda: now[0])
+  clock = loop._TrainClock()
+  clock.start()
+  now[0] = 10.0  # compilation: a window with no counted step
+  assert clock.close_window() == (0, 10.0)
+  assert (clock.steps, clock.seconds) == (0, 0.0)
+  for _ in range(3):
+    clock.start()
+    now[0] += 2.0  # a step
+    clock.count_step()
+    clock.stop()
+    now[0] += 100.0  # evaluation or a checkpoint: not training time
+  assert clock.elapsed() == 6.0
+  assert clock.close_window() == (3, 6.0)
+  assert (clock.steps, clock.seconds) == (3, 6.0)
+  clock.start()
+  now[0] += 1.5
+  assert clock.elapsed() == 7.5  # a running window counts up to now

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from capsjax import train_em
-from capsjax import train_lib
+from capsjax.training import checkpoints
+from capsjax.training import em
+from capsjax.training import loop
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
 from tests import conftest
 from tests.test_data_smallnorb import make_release
-from tests.test_train_dynamic import needs_mnist
+from tests.test_training_dynamic import needs_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +46,7 @@ def _norb_config(norb_dir, **overrides):
 def test_smallnorb_pipeline_end_to_end_on_generated_release(tmp_path, norb_dir):
   """Reader -> 48x48 stereo -> crops -> matrix capsules -> summary."""
   config = _norb_config(norb_dir)
-  summary = train_em.train_and_evaluate(config, str(tmp_path / 'work'))
+  summary = em.train_and_evaluate(config, str(tmp_path / 'work'))
   assert summary['dataset'] == 'smallnorb'
   assert summary['steps'] == config.num_train_steps
   assert 0.0 <= summary['test']['accuracy'] <= 1.0
@@ -58,20 +59,20 @@ def test_smallnorb_pipeline_end_to_end_on_generated_release(tmp_path, norb_dir):
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, norb_dir):
   """A poisoned step stops the run naming the step; checkpoint 10 survives."""
   workdir = str(tmp_path / 'work')
-  good = train_em.train_and_evaluate(
+  good = em.train_and_evaluate(
       _norb_config(norb_dir, num_train_steps=10), workdir)
   assert good['steps'] == 10
-  before = train_lib.load_trained_model(workdir, which='latest')
+  before = checkpoints.load_trained_model(workdir, which='latest')
   # Resume with a poison: a NaN weight decay makes every loss from step 10
   # on NaN (the same path as a poisoned batch or an overflowing gradient).
   poisoned = _norb_config(norb_dir, num_train_steps=20,
                           weight_decay=float('nan'))
-  with pytest.raises(train_lib.TrainingDiverged, match='non-finite at step 10'):
-    train_em.train_and_evaluate(poisoned, workdir)
-  checkpoints = train_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
-  assert checkpoints.latest_step() == 10  # nothing written after the poison
-  checkpoints.close()
-  after = train_lib.load_trained_model(workdir, which='latest')
+  with pytest.raises(loop.TrainingDiverged, match='non-finite at step 10'):
+    em.train_and_evaluate(poisoned, workdir)
+  checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  assert checkpointer.latest_step() == 10  # nothing written after the poison
+  checkpointer.close()
+  after = checkpoints.load_trained_model(workdir, which='latest')
   for a, b in zip(jax.tree.leaves(nnx.state(before, nnx.Param)),
                   jax.tree.leaves(nnx.state(after, nnx.Param)), strict=True):
     np.testing.assert_array_equal(a, b)

@@ -3,8 +3,8 @@
 Loss: the spread loss with its growing margin (or cross-entropy / margin loss
 for ablations) plus an optional L2 penalty. Non-finite losses or gradients
 stop the run with a clear message and keep the last good checkpoint
-(``train_lib.apply_gradients`` never applies such an update). The loop itself
-is ``train_lib.fit``.
+(``state.apply_gradients`` never applies such an update). The loop itself
+is ``loop.fit``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import losses
-from capsjax import train_lib
+from capsjax.training import loop
+from capsjax.training import state as state_lib
 
 # Keeps logit(a) finite for activations that saturate at 0 or 1.
 _ACTIVATION_CLIP = 1e-6
@@ -56,21 +57,21 @@ def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
     if key is None:
       return data_lib.smallnorb_eval_preprocess(images)
     return data_lib.smallnorb_train_preprocess(key, images)
-  return train_lib.digit_inputs(images, key, config.max_shift,
+  return state_lib.digit_inputs(images, key, config.max_shift,
                                 config.get('center_crop', 0))
 
 
 def make_steps(config: ml_collections.ConfigDict,
                optimizer: optax.GradientTransformation
-               ) -> train_lib.FamilySteps:
+               ) -> state_lib.FamilySteps:
   """The jittable train and eval steps of an EM-routing model."""
-  dtype = train_lib.compute_dtype(config)
+  dtype = state_lib.compute_dtype(config)
 
-  def train_step(graphdef, state: train_lib.TrainState, images, labels, key):
+  def train_step(graphdef, state: state_lib.TrainState, images, labels, key):
     images = preprocess(config, images, key)
 
     def loss_fn(model):
-      activations = train_lib.forward(model, images, dtype, labels,
+      activations = state_lib.forward(model, images, dtype, labels,
                                     train=True)['activations']
       loss = jnp.mean(em_loss(activations, labels, state.step, config))
       total = loss + config.weight_decay * l2_penalty(
@@ -78,12 +79,12 @@ def make_steps(config: ml_collections.ConfigDict,
       correct = jnp.argmax(activations, -1) == labels
       return total, {'class_loss': loss, 'accuracy': jnp.mean(correct)}
 
-    return train_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
+    return state_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
-    model = nnx.merge(graphdef, train_lib.cast_floating(params, dtype),
+    model = nnx.merge(graphdef, state_lib.cast_floating(params, dtype),
                       model_state)
-    activations = train_lib.forward(
+    activations = state_lib.forward(
         model, preprocess(config, images, None), dtype)['activations']
     # The loss at the final margin, comparable across steps.
     loss = em_loss(activations, labels, jnp.asarray(10**9), config)
@@ -91,18 +92,23 @@ def make_steps(config: ml_collections.ConfigDict,
     return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
             'count': jnp.sum(mask)}
 
-  return train_lib.FamilySteps(train_step, eval_step)
+  return state_lib.FamilySteps(train_step, eval_step,
+                               lambda images: preprocess(config, images, None))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
-                       ) -> dict[str, Any]:
-  """Train an EM-routing model on ``config.dataset``; see train_lib.fit."""
+def load_data(config: ml_collections.ConfigDict) -> data_lib.Dataset:
+  """The dataset of a run: ``config.dataset`` (smallNORB with its options)."""
   options = {}
   if config.dataset == 'smallnorb':
     options = {'stereo': config.stereo,
                'viewpoint_split': config.viewpoint_split or None}
-  dataset = data_lib.load_dataset(
+  return data_lib.load_dataset(
       config.dataset, data_dir=config.data_dir or None,
       validation_size=config.validation_size, **options)
-  steps = make_steps(config, train_lib.make_optimizer(config))
-  return train_lib.fit(config, workdir, steps, dataset)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
+                       ) -> dict[str, Any]:
+  """Train an EM-routing model on ``config.dataset``; see ``loop.fit``."""
+  steps = make_steps(config, state_lib.make_optimizer(config))
+  return loop.fit(config, workdir, steps, load_data(config))

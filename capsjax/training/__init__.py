@@ -1,0 +1,45 @@
+"""Training: one loop (``fit``) shared by the two model families.
+
+Modules, one concern each:
+  state        the train state, optimiser and schedule, one gradient step,
+               mixed precision, digit preprocessing; ``FamilySteps``.
+  sharding     data parallelism (mesh, batches, multi-process start-up) and
+               the deterministic data order.
+  checkpoints  atomic orbax checkpoints; trained workdirs read back.
+  metrics      TensorBoard and JSON-lines metrics, the progress bar, records.
+  evaluation   accuracy and loss over a split, the last batch padded.
+  loop         ``fit``: train, resume, select on validation, test, evaluate.
+  dynamic, em  the two families: losses and jittable steps.
+  runs         ``train(config, workdir)`` by the model's family;
+               ``load_context(workdir)`` for the evaluators.
+"""
+
+from capsjax.training.checkpoints import Checkpointer
+from capsjax.training.checkpoints import load_trained_model
+from capsjax.training.checkpoints import read_workdir_config
+from capsjax.training.loop import TrainingDiverged
+from capsjax.training.loop import check_config
+from capsjax.training.loop import fit
+from capsjax.training.metrics import environment
+from capsjax.training.metrics import write_json_atomic
+from capsjax.training.runs import family
+from capsjax.training.runs import load_context
+from capsjax.training.runs import train
+from capsjax.training.state import FamilySteps
+from capsjax.training.state import TrainState
+
+__all__ = (
+    'Checkpointer',
+    'FamilySteps',
+    'TrainState',
+    'TrainingDiverged',
+    'check_config',
+    'environment',
+    'family',
+    'fit',
+    'load_context',
+    'load_trained_model',
+    'read_workdir_config',
+    'train',
+    'write_json_atomic',
+)

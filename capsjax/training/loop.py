@@ -1,0 +1,366 @@
+"""The training loop both families share: ``fit``.
+
+Train with checkpoints and exact resume, select on validation, test once,
+run the config's evaluators on the selected model, and write the summary.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from capsjax import data as data_lib
+from capsjax import evaluators
+from capsjax.training import metrics as metrics_lib
+from capsjax.training.checkpoints import Checkpointer
+from capsjax.training.evaluation import evaluate
+from capsjax.training.sharding import BatchOrder
+from capsjax.training.sharding import all_agree
+from capsjax.training.sharding import check_batch_size
+from capsjax.training.sharding import is_chief
+from capsjax.training.sharding import make_mesh
+from capsjax.training.sharding import on_mesh
+from capsjax.training.sharding import replicated
+from capsjax.training.sharding import take_batch
+from capsjax.training.state import FamilySteps
+from capsjax.training.state import count_params
+from capsjax.training.state import create_model
+from capsjax.training.state import init_train_state
+from capsjax.training.state import learning_rate_schedule
+from capsjax.training.state import make_optimizer
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss or a gradient became NaN or inf; the last good state is kept."""
+
+
+_POSITIVE_INT_KEYS = ('batch_size', 'eval_batch_size', 'num_train_steps',
+                      'log_every_steps', 'eval_every_steps',
+                      'checkpoint_every_steps', 'lr_decay_steps')
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first key of ``config`` that ``fit``
+  cannot use (model options are checked by ``models.create_model``,
+  ``config.evals`` by ``evaluators.check``)."""
+
+  def fail(key, requirement):
+    raise ValueError(f'config.{key} must be {requirement}, got '
+                     f'{config[key]!r}.')
+
+  def is_int(value):
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+  for key in _POSITIVE_INT_KEYS:
+    if not is_int(config[key]) or config[key] < 1:
+      fail(key, 'a positive int')
+  for key in ('learning_rate', 'lr_decay_rate'):
+    if isinstance(config[key], bool) or not (
+        isinstance(config[key], int | float) and
+        np.isfinite(config[key]) and config[key] > 0):
+      fail(key, 'a finite number > 0')
+  for key in ('seed', 'max_shift'):
+    if key in config and (not is_int(config[key]) or config[key] < 0):
+      fail(key, 'an int >= 0')
+  if config.get('max_train_seconds') and not config.max_train_seconds > 0:
+    fail('max_train_seconds', '> 0 (or 0: no limit)')
+  if config.get('target_accuracy') and not 0 < config.target_accuracy <= 1:
+    fail('target_accuracy', 'in (0, 1] (or 0: train all steps)')
+  if config.get('center_crop'):
+    crop = config.center_crop
+    shape = tuple(config.model_options.get('input_shape') or ())
+    if not is_int(crop) or crop < 0 or shape[:2] != (crop, crop):
+      fail('center_crop', f'0 (no crop) or an int equal to the height and '
+           f'width of config.model_options.input_shape ({shape})')
+  if 'canvas_size' in config and (not is_int(config.canvas_size) or
+                                  config.canvas_size < 0):
+    fail('canvas_size', 'an int >= 0 (0: no canvas)')
+  num_devices = config.get('num_devices') or 0
+  if num_devices and jax.process_count() > 1:
+    fail('num_devices', '0 in a multi-process run (the mesh spans every '
+         'device of every process)')
+  if not is_int(num_devices) or not 0 <= num_devices <= jax.local_device_count():
+    fail('num_devices', f'an int from 0 (all devices) to '
+         f'{jax.local_device_count()} (the local device count)')
+  if 'debug_poison_step' in config and not is_int(config.debug_poison_step):
+    fail('debug_poison_step', 'an int (-1: off)')
+
+
+class _TrainClock:
+  """Seconds of training steps only: ``stop`` before compilation,
+  evaluation and checkpoints, ``start`` after them."""
+
+  def __init__(self):
+    self.seconds, self.steps = 0.0, 0  # totals over closed windows
+    self._window_seconds, self._window_steps, self._since = 0.0, 0, None
+
+  def start(self) -> None:
+    self._since = time.perf_counter()
+
+  def stop(self) -> None:
+    if self._since is not None:
+      self._window_seconds += time.perf_counter() - self._since
+      self._since = None
+
+  def count_step(self) -> None:
+    self._window_steps += 1
+
+  def elapsed(self) -> float:
+    running = 0.0 if self._since is None else time.perf_counter() - self._since
+    return self.seconds + self._window_seconds + running
+
+  def close_window(self) -> tuple[int, float]:
+    """Steps and seconds since the last call, added to the totals."""
+    self.stop()
+    window = self._window_steps, self._window_seconds
+    if self._window_steps:
+      self.seconds += self._window_seconds
+      self.steps += self._window_steps
+    self._window_seconds, self._window_steps = 0.0, 0
+    return window
+
+
+class _Run:
+  """One training run's state and the work ``fit`` does at each step."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               steps: FamilySteps, dataset: data_lib.Dataset):
+    self.config, self.workdir, self.dataset = config, workdir, dataset
+    self.draws_batches = steps.draws_batches
+    self.eval_inputs = steps.eval_inputs
+    # In a multi-process run every process runs this; process 0 alone writes
+    # the run's files (orbax coordinates the checkpoints itself).
+    self.chief = is_chief()
+    if self.chief:
+      metrics_lib.save_config(config, workdir)
+    self.mesh = make_mesh(config.get('num_devices') or None)
+    check_batch_size(config.batch_size, self.mesh)
+    self.graphdef, state = init_train_state(create_model(config),
+                                            make_optimizer(config))
+    self.num_params = count_params(state.params)
+    self.state = jax.device_put(state, replicated(self.mesh))
+    self.checkpoints = Checkpointer(os.path.join(workdir, 'checkpoints'))
+    self.best = Checkpointer(os.path.join(workdir, 'best'), max_to_keep=1)
+    if self.checkpoints.latest_step() is not None:
+      self.state = self.checkpoints.restore(self.state)
+      self.say(f'Resuming from the checkpoint of step {int(self.state.step)} '
+               f'in {workdir}.')
+    self.step = int(self.state.step)
+    self.best_record_path = os.path.join(workdir, 'best_validation.json')
+    self.best_record = (json.load(open(self.best_record_path))
+                        if os.path.exists(self.best_record_path) else None)
+    self.order = BatchOrder(len(dataset.train.labels), config.batch_size,
+                            config.seed)
+    self.data_key = jax.random.PRNGKey(config.seed + 2)
+    self.train_images = on_mesh(dataset.train.images, replicated(self.mesh))
+    self.train_labels = on_mesh(dataset.train.labels, replicated(self.mesh))
+    # Placed once: the validation split is evaluated many times.
+    self.validation_images = on_mesh(dataset.validation.images,
+                                     replicated(self.mesh))
+    # The graphdef is closed over rather than passed as a static argument:
+    # it need not be hashable.
+    self._train_step = jax.jit(
+        functools.partial(steps.train_step, self.graphdef), donate_argnums=0)
+    self._eval_step = jax.jit(functools.partial(steps.eval_step, self.graphdef))
+
+  def say(self, message: str) -> None:
+    if self.chief:
+      print(message, flush=True)
+
+  def header(self) -> str:
+    d, c = self.dataset, self.config
+    return (f'{c.model}: {self.num_params:,} parameters; {d.name}: '
+            f'{len(d.train.labels)} train / {len(d.validation.labels)} '
+            f'validation / {len(d.test.labels)} test; {c.num_train_steps} '
+            f'steps of batch {c.batch_size} on {self.mesh.size} '
+            f'{jax.devices()[0].platform} device(s).')
+
+  def reached_target(self, record: dict | None) -> bool:
+    target = self.config.get('target_accuracy') or 0.0
+    return bool(target and record and record['accuracy'] >= target)
+
+  def train_step(self) -> dict[str, jax.Array]:
+    if self.draws_batches:
+      images, labels = self.train_images, self.train_labels
+    else:
+      idx = self.order.indices(self.step)
+      images = take_batch(self.train_images, idx, self.mesh)
+      labels = take_batch(self.train_labels, idx, self.mesh)
+    if self.step == self.config.get('debug_poison_step', -1):
+      # A test hook: a batch of NaN images.
+      images = on_mesh(np.full(images.shape, np.nan, np.float32),
+                       images.sharding)
+    key = on_mesh(jax.random.fold_in(self.data_key, self.step),
+                  replicated(self.mesh))
+    self.state, metrics = self._train_step(self.state, images, labels, key)
+    self.step += 1
+    return metrics
+
+  def raise_if_diverged(self) -> None:
+    bad_step = int(self.state.nonfinite_step)
+    if bad_step >= 0:
+      raise TrainingDiverged(
+          f'the loss or a gradient became non-finite at step {bad_step}; that '
+          f'update was not applied and the last good checkpoint (step '
+          f'{self.checkpoints.latest_step()}) is kept in '
+          f'{self.checkpoints.directory}. Lower the learning rate or check the '
+          f'input data.')
+
+  def log(self, metrics, clock: _TrainClock, writer, progress) -> None:
+    steps, seconds = clock.close_window()
+    scalars = {f'train/{k}': float(v)
+               for k, v in jax.device_get(metrics).items()}
+    scalars['train/learning_rate'] = float(
+        learning_rate_schedule(self.config)(self.step))
+    if steps and seconds > 0:
+      scalars['train/images_per_s'] = steps * self.config.batch_size / seconds
+    writer.write(self.step, scalars)
+    progress.update(self.step, {'loss': scalars['train/loss'],
+                                'acc': scalars['train/accuracy']})
+
+  def evaluate(self, split: data_lib.Split, images=None) -> dict[str, float]:
+    if images is None:
+      images = on_mesh(split.images, replicated(self.mesh))
+    return evaluate(self._eval_step, self.state, split, images,
+                    self.config.eval_batch_size, self.mesh)
+
+  def validate(self, writer) -> dict[str, float]:
+    """Validation metrics; a new best is saved as the selected model."""
+    val = self.evaluate(self.dataset.validation, self.validation_images)
+    if val:
+      writer.write(self.step, {f'validation/{k}': v for k, v in val.items()})
+      if self.best_record is None or val['accuracy'] > self.best_record[
+          'accuracy']:
+        self.best_record = {'step': self.step, **val}
+        self.best.save(self.state)
+        if self.chief:
+          metrics_lib.write_json_atomic(self.best_record_path,
+                                        self.best_record)
+    return val
+
+  def select_best(self) -> None:
+    """Model selection on validation only (the latest state without it)."""
+    if self.best_record is not None and self.best.latest_step() is not None:
+      self.state = self.best.restore(self.state)
+
+  def eval_context(self) -> evaluators.Context:
+    """The selected model for the config's evaluators."""
+    params, model_state = jax.device_get((self.state.params,
+                                          self.state.model_state))
+    return evaluators.Context(
+        model=nnx.merge(self.graphdef, params, model_state),
+        config=self.config, workdir=self.workdir,
+        evaluate_split=self.evaluate, eval_inputs=self.eval_inputs,
+        load_dataset=lambda: self.dataset, write_files=self.chief)
+
+  def close(self) -> None:
+    self.checkpoints.close()
+    self.best.close()
+
+
+def fit(config: ml_collections.ConfigDict, workdir: str,
+        steps: FamilySteps, dataset: data_lib.Dataset) -> dict[str, Any]:
+  """Train, checkpoint, resume, select on validation, test once, summarise.
+
+  With ``config.target_accuracy`` > 0 training stops at the first
+  evaluation whose validation accuracy reaches it (a rerun of a run that
+  reached it does not train further). ``config.evals`` (see
+  ``capsjax.evaluators``) run on the selected model after the test set,
+  into ``summary['evals']``.
+
+  Returns the summary also written to ``workdir/summary.json``.
+  """
+  check_config(config)
+  evaluators.check(config)  # before any training: a bad option fails now
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  run = _Run(config, workdir, steps, dataset)
+  run.say(run.header())
+  time_limit = config.get('max_train_seconds') or None
+  clock, compile_s = _TrainClock(), None
+  due = lambda every: run.step % every == 0  # noqa: E731
+  with metrics_lib.MetricWriter(workdir) as writer, metrics_lib.Progress(
+      config.num_train_steps, run.step, config.batch_size) as progress:
+    while (run.step < config.num_train_steps and
+           not run.reached_target(run.best_record)):
+      clock.start()
+      t0 = time.perf_counter()
+      metrics = run.train_step()
+      clock.count_step()
+      if compile_s is None:  # the first step compiles; it is not timed
+        jax.block_until_ready(metrics)
+        compile_s = time.perf_counter() - t0
+        clock.close_window()
+        clock.start()
+      last = run.step == config.num_train_steps or (
+          time_limit is not None and all_agree(clock.elapsed() > time_limit))
+      if last or due(config.log_every_steps):
+        jax.block_until_ready(metrics)  # the logged window's steps are done
+      clock.stop()
+      if last or due(config.log_every_steps) or due(
+          config.eval_every_steps) or due(config.checkpoint_every_steps):
+        # Before anything is logged, evaluated or saved, so that no
+        # checkpoint holds a state that went past a non-finite step.
+        run.raise_if_diverged()
+      if last or due(config.log_every_steps):
+        run.log(metrics, clock, writer, progress)
+      if last or due(config.eval_every_steps):
+        if run.reached_target(run.validate(writer)):
+          last = True
+          run.say(f'Validation accuracy {run.best_record["accuracy"]:.4f} '
+                  f'reached the target {config.target_accuracy} at step '
+                  f'{run.step}; stopping.')
+      if last or due(config.checkpoint_every_steps):
+        run.checkpoints.save(run.state)
+      if last:
+        break
+  clock.close_window()
+
+  run.select_best()
+  test = run.evaluate(dataset.test)  # the test set is read once, here
+  evals = evaluators.run(config, run.eval_context())
+  run.close()
+  summary = _summary(run, test, evals, clock, compile_s)
+  if run.chief:
+    metrics_lib.write_json_atomic(os.path.join(workdir, 'summary.json'),
+                                  summary)
+  run.say(json.dumps({
+      'test_accuracy': test.get('accuracy'),
+      'validation_accuracy': (run.best_record or {}).get('accuracy'),
+      'steps': run.step, 'images_per_s': summary['train_images_per_s']}))
+  return summary
+
+
+def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
+             compile_s: float | None) -> dict[str, Any]:
+  config = run.config
+  target = config.get('target_accuracy') or 0.0
+  return {
+      'model': config.model,
+      'dataset': run.dataset.name,
+      'num_params': run.num_params,
+      'steps': run.step,
+      'epochs': run.step / run.order.steps_per_epoch,
+      'selected_step': int(run.state.step),
+      'validation': run.best_record,
+      'test': test,
+      **({'evals': evals} if evals else {}),
+      **({'target_accuracy': target,
+          'reached_target': run.reached_target(run.best_record)}
+         if target else {}),
+      'train_images_per_s': (clock.steps * config.batch_size / clock.seconds
+                             if clock.seconds > 0 else None),
+      'compile_s': compile_s,
+      'train_wall_s_this_run': clock.seconds,
+      'batch_size': config.batch_size,
+      **metrics_lib.environment(),
+      'num_devices': run.mesh.size,  # those trained on, not all there are
+  }

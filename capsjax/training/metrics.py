@@ -1,0 +1,127 @@
+"""Metrics (TensorBoard + JSON lines), the progress bar and the run records."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+
+from capsjax.training.sharding import is_chief
+
+
+class MetricWriter:
+  """Scalars to TensorBoard (``workdir/tensorboard``) and ``metrics.jsonl``;
+  nothing on the other processes of a multi-process run."""
+
+  def __init__(self, workdir: str):
+    self._enabled = is_chief()
+    if not self._enabled:
+      return
+    from tensorboardX import SummaryWriter  # a heavy import: only when training
+    self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    self._workdir = workdir
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    if not self._enabled:
+      return
+    for name, value in scalars.items():
+      self._tb.add_scalar(name, value, step)
+    try:
+      self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+      self._jsonl.flush()
+    except OSError as e:
+      raise OSError(
+          f'writing the metrics of step {step} to {self._workdir} failed '
+          f'({e}). Free disk space or choose another --workdir, then rerun to '
+          f'resume from the last checkpoint.') from e
+    self._tb.flush()
+
+  def __enter__(self) -> MetricWriter:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def close(self) -> None:
+    if self._enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+class Progress:
+  """A tqdm bar with loss, accuracy and images/s (quiet when not a terminal)."""
+
+  def __init__(self, total: int, initial: int, batch_size: int):
+    from tqdm import tqdm
+    interactive = sys.stderr.isatty()
+    self._bar = tqdm(total=total, initial=initial, unit='step',
+                     dynamic_ncols=True, mininterval=0.5 if interactive else 30,
+                     disable=(os.environ.get('CAPSJAX_NO_PROGRESS') == '1' or
+                              not is_chief()))
+    self._batch_size = batch_size
+    self._last_time, self._last_step = time.perf_counter(), initial
+
+  def update(self, step: int, scalars: Mapping[str, float]) -> float:
+    now = time.perf_counter()
+    images_per_s = ((step - self._last_step) * self._batch_size /
+                    max(now - self._last_time, 1e-9))
+    self._last_time, self._last_step = now, step
+    self._bar.set_postfix({k: f'{v:.4g}' for k, v in scalars.items()}
+                          | {'img/s': f'{images_per_s:.0f}'}, refresh=False)
+    self._bar.update(step - self._bar.n)
+    return images_per_s
+
+  def __enter__(self) -> Progress:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def close(self) -> None:
+    self._bar.close()
+
+
+def environment() -> dict[str, Any]:
+  try:
+    commit = subprocess.run(
+        ['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10,
+        check=False).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  device = jax.devices()[0]
+  return {
+      'device': f'{device.platform}:{getattr(device, "device_kind", "")}',
+      'num_devices': jax.device_count(),
+      'jax_version': jax.__version__,
+      'python': platform.python_version(),
+      'machine': platform.machine(),
+      'cpu_count': os.cpu_count(),
+      'git_commit': commit,
+  }
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """``workdir/config.json``, written atomically."""
+  path = os.path.join(workdir, 'config.json')
+  text = config.to_json_best_effort(indent=2, sort_keys=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(payload, f, indent=2, sort_keys=True, default=str)
+  os.replace(tmp, path)

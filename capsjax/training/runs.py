@@ -1,0 +1,66 @@
+"""Runs by config and by workdir: the family trainer of a model, and a
+trained workdir opened for the evaluators."""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import ml_collections
+from flax import nnx
+
+from capsjax import evaluators
+from capsjax import models
+from capsjax.training import checkpoints
+from capsjax.training import dynamic
+from capsjax.training import em
+from capsjax.training.evaluation import evaluate
+from capsjax.training.sharding import make_mesh
+from capsjax.training.sharding import on_mesh
+from capsjax.training.sharding import replicated
+from capsjax.training.state import make_optimizer
+
+_FAMILIES = {'dynamic': dynamic, 'em': em}
+
+
+def family(config: ml_collections.ConfigDict) -> types.ModuleType:
+  """The trainer module (``dynamic`` or ``em``) of ``config.model``."""
+  name = models.MODEL_FAMILY.get(config.model)
+  if name is None:
+    raise ValueError(f'unknown model {config.model!r}; valid names: '
+                     f'{", ".join(models.list_models())}.')
+  return _FAMILIES[name]
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Train ``config`` in ``workdir`` with its family's trainer; the summary."""
+  return family(config).train_and_evaluate(config, workdir)
+
+
+def load_context(workdir: str, which: str = 'best',
+                 data_dir: str | None = None) -> evaluators.Context:
+  """The model trained in ``workdir`` (``which``: 'best', selected on
+  validation, or 'latest'), ready for ``evaluators``; ``data_dir``
+  overrides the run's ``config.data_dir``."""
+  config = checkpoints.read_workdir_config(workdir)
+  if data_dir:
+    config.data_dir = data_dir
+  trainer = family(config)
+  optimizer = make_optimizer(config)
+  graphdef, state = checkpoints.load_trained_state(workdir, which)
+  make = (trainer.make_multimnist_steps if config.dataset == 'multimnist'
+          else trainer.make_steps)
+  steps = make(config, optimizer)
+  eval_step = functools.partial(steps.eval_step, graphdef)
+  mesh = make_mesh(1)
+
+  def evaluate_split(split):
+    return evaluate(eval_step, state, split,
+                    on_mesh(split.images, replicated(mesh)),
+                    config.eval_batch_size, mesh)
+
+  return evaluators.Context(
+      model=nnx.merge(graphdef, state.params, state.model_state),
+      config=config, workdir=workdir, evaluate_split=evaluate_split,
+      eval_inputs=steps.eval_inputs, load_dataset=lambda: trainer.load_data(config))

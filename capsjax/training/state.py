@@ -1,0 +1,199 @@
+"""The train state, the optimiser, and one gradient step, shared by both families.
+
+A family (``dynamic``, ``em``) writes its loss and calls ``gradient_step``
+inside its own jitted train step; ``FamilySteps`` is what it hands ``fit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from capsjax import data as data_lib
+from capsjax import models
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # nnx.State of nnx.Param
+  model_state: Any  # nnx.State of everything else (dropout RNG counters)
+  opt_state: Any
+  # First step whose loss or gradient was non-finite (-1: none). Such a step
+  # is not applied, so params stay the last good ones.
+  nonfinite_step: jax.Array
+
+
+# ----------------------------------------------------------------------------
+# Optimiser.
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """lr * decay_rate^(step / decay_steps), as tf.train.exponential_decay."""
+  return optax.exponential_decay(
+      init_value=config.learning_rate,
+      transition_steps=config.lr_decay_steps,
+      decay_rate=config.lr_decay_rate,
+      staircase=False)
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> optax.GradientTransformation:
+  return optax.adam(learning_rate_schedule(config))
+
+
+# ----------------------------------------------------------------------------
+# Model and state.
+
+
+def model_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  options = config.model_options.to_dict()
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+def create_model(config: ml_collections.ConfigDict, seed: int | None = None
+                 ) -> nnx.Module:
+  seed = config.seed if seed is None else seed
+  return models.create_model(
+      config.model, rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+      **model_options(config))
+
+
+def init_train_state(model: nnx.Module,
+                     optimizer: optax.GradientTransformation
+                     ) -> tuple[nnx.GraphDef, TrainState]:
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+      opt_state=optimizer.init(params),
+      nonfinite_step=jnp.full((), -1, jnp.int32))
+  return graphdef, state
+
+
+def apply_gradients(state: TrainState, grads, model_state,
+                    optimizer: optax.GradientTransformation,
+                    loss: jax.Array) -> tuple[TrainState, jax.Array]:
+  """One optimiser update, skipped (state kept) if loss or gradient is not finite.
+
+  Returns the new state and the global gradient norm.
+  """
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(  # noqa: E731
+      lambda n, o: jnp.where(finite, n, o), new, old)
+  nonfinite_step = jnp.where(
+      (state.nonfinite_step < 0) & ~finite, state.step,
+      state.nonfinite_step)
+  new_state = TrainState(
+      step=state.step + 1,
+      params=keep(params, state.params),
+      model_state=keep(model_state, state.model_state),
+      opt_state=keep(opt_state, state.opt_state),
+      nonfinite_step=nonfinite_step)
+  return new_state, grad_norm
+
+
+COMPUTE_DTYPES = {'float32': None, 'bfloat16': jnp.bfloat16}
+
+
+def compute_dtype(config: ml_collections.ConfigDict):
+  """``config.compute_dtype`` as a dtype (None: float32, nothing cast)."""
+  name = config.get('compute_dtype', 'float32')
+  if name not in COMPUTE_DTYPES:
+    raise ValueError(f'config.compute_dtype must be one of '
+                     f'{sorted(COMPUTE_DTYPES)}, got {name!r}.')
+  return COMPUTE_DTYPES[name]
+
+
+def cast_floating(tree, dtype):
+  """``tree`` with its floating leaves cast to ``dtype`` (None: unchanged)."""
+  if dtype is None:
+    return tree
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+      else x, tree)
+
+
+def forward(model: nnx.Module, images: jax.Array, dtype, *args, **kwargs
+            ) -> dict[str, jax.Array]:
+  """``model(images, ...)`` in the compute ``dtype``; outputs as float32."""
+  outputs = model(cast_floating(images, dtype), *args, **kwargs)
+  return outputs if dtype is None else cast_floating(outputs, jnp.float32)
+
+
+def gradient_step(graphdef: nnx.GraphDef, state: TrainState,
+                  optimizer: optax.GradientTransformation,
+                  loss_fn: Callable[[nnx.Module], tuple[jax.Array, dict]],
+                  dtype=None) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimiser step on ``loss_fn(model) -> (scalar loss, metrics)``.
+
+  Mixed precision: with ``dtype`` (e.g. bfloat16) the model runs on a copy of
+  the float32 master parameters cast to it; the gradients and the update stay
+  float32. The model's non-parameter state (dropout RNG counters) advances.
+  """
+
+  def loss_of_params(params):
+    # copy=True: fresh Variables of this trace, or dropout could not advance
+    # its RNG counter here (flax TraceContextError).
+    model = nnx.merge(graphdef, cast_floating(params, dtype),
+                      state.model_state, copy=True)
+    loss, metrics = loss_fn(model)
+    _, _, model_state = nnx.split(model, nnx.Param, ...)
+    return loss.astype(jnp.float32), (metrics, model_state)
+
+  (loss, (metrics, model_state)), grads = jax.value_and_grad(
+      loss_of_params, has_aux=True)(state.params)
+  state, grad_norm = apply_gradients(state, grads, model_state, optimizer,
+                                     loss)
+  return state, metrics | {'loss': loss, 'grad_norm': grad_norm}
+
+
+def digit_inputs(images: jax.Array, key: jax.Array | None, max_shift: int,
+                 center_crop: int = 0) -> jax.Array:
+  """uint8 [B, H, W, C] -> float32 in [0, 1], on device.
+
+  With a key (training) each image is shifted by up to ``max_shift`` pixels
+  with zero padding, the only augmentation of Sabour et al. ``center_crop``
+  > 0 then keeps the central window of that size, in training and
+  evaluation alike (MNIST digits are scaled to fit 20x20 and centred on
+  the 28x28 frame).
+  """
+  images = data_lib.to_float(images)
+  if key is not None and max_shift:
+    images = data_lib.random_shift(key, images, max_shift)
+  if center_crop:
+    images = data_lib.center_crop(images, center_crop)
+  return images
+
+
+def count_params(params) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+class FamilySteps(NamedTuple):
+  """What a model family gives ``fit``.
+
+  train_step(graphdef, state, images_uint8, labels, key) -> (state, metrics)
+    with metrics a dict of scalars incl. 'loss' and 'accuracy'; fit jits it
+    with the graphdef bound and the state donated.
+  eval_step(graphdef, params, model_state, images_uint8, labels, mask)
+    -> {'correct', 'loss', 'count'} sums.
+  eval_inputs(images_uint8) -> what the model reads at evaluation (for the
+    evaluators: attacks and figures perturb or draw these).
+  draws_batches: when True, train_step receives the WHOLE training split
+    (images, labels) and draws its batch from the key itself (MultiMNIST
+    pairs generated on device); the batch still depends only on (seed, step).
+  """
+  train_step: Callable
+  eval_step: Callable
+  eval_inputs: Callable
+  draws_batches: bool = False
