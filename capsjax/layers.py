@@ -48,7 +48,7 @@ AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
 OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_BIAS_INIT = 0.1
 
-CONV_IMPLS = ('space_to_depth', 'direct')
+CONV_IMPLS = ('patches', 'space_to_depth', 'direct')
 
 
 # Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
@@ -127,24 +127,16 @@ def _conv_padding(size: int, kernel_size: int, stride: int, padding: str
   return total // 2, total - total // 2
 
 
-def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
-                        ) -> jax.Array:
-  """VALID convolution with ``stride``, computed as a stride-1 convolution.
+def _space_to_depth(x: jax.Array, kernel: jax.Array, stride: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Input and kernel of the stride-1 VALID convolution that equals the
+  VALID convolution of ``x`` and ``kernel`` with ``stride``.
 
   The input [B, H, W, C] is regrouped into s x s blocks, [B, H/s, W/s, s*s*C],
   and the kernel [K, K, C, F] into [ceil(K/s), ceil(K/s), s*s*C, F] with zero
-  taps past K; a stride-1 VALID convolution of the two equals the strided one
-  (rows beyond the input that the regrouping pads in only meet zero taps).
-
-  Args:
-    x: [B, H, W, C].
-    kernel: [Kh, Kw, C, F].
-    stride: s >= 1.
-  Returns:
-    [B, H', W', F] with H' = (H - Kh) // s + 1, equal to
-    ``lax.conv_general_dilated(x, kernel, (s, s), 'VALID')``.
+  taps past K (rows beyond the input that the regrouping pads in only meet
+  zero taps).
   """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
   batch, height, width, channels = x.shape
   k_h, k_w, _, features = kernel.shape
   s = stride
@@ -163,26 +155,106 @@ def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
   x = x.reshape(batch, rows // s, s, cols // s, s, channels)
   x = x.transpose(0, 1, 3, 2, 4, 5).reshape(batch, rows // s, cols // s,
                                             s * s * channels)
+  return x, kernel
+
+
+def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
+                        ) -> jax.Array:
+  """VALID convolution with ``stride``, computed as a stride-1 convolution
+  of the space-to-depth regrouped input and kernel.
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+    stride: s >= 1.
+  Returns:
+    [B, H', W', F] with H' = (H - Kh) // s + 1, equal to
+    ``lax.conv_general_dilated(x, kernel, (s, s), 'VALID')``.
+  """
+  x, kernel = _space_to_depth(jnp.asarray(x), jnp.asarray(kernel), stride)
   return jax.lax.conv_general_dilated(
       x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
+def _check_kernel_fits(x: jax.Array, k_h: int, k_w: int) -> None:
+  if k_h > x.shape[1] or k_w > x.shape[2]:
+    raise ValueError(f'kernel {k_h}x{k_w} is larger than the input '
+                     f'{x.shape[1]}x{x.shape[2]}.')
+
+
+def _patches(x: jax.Array, k_h: int, k_w: int) -> jax.Array:
+  """The Kh * Kw shifted windows of ``x`` [B, H, W, C] concatenated on the
+  channel axis: [B, H - Kh + 1, W - Kw + 1, Kh*Kw*C], (row, column,
+  channel) order, the order of an HWIO kernel flattened."""
+  _check_kernel_fits(x, k_h, k_w)
+  out_h, out_w = x.shape[1] - k_h + 1, x.shape[2] - k_w + 1
+  windows = [x[:, i:i + out_h, j:j + out_w] for i in range(k_h)
+             for j in range(k_w)]
+  return windows[0] if len(windows) == 1 else jnp.concatenate(windows, -1)
+
+
+@jax.custom_vjp
+def patches_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
+  """Stride-1 VALID convolution that trains fast on XLA:CPU.
+
+  Evaluated, it is ``lax.conv_general_dilated`` (XLA:CPU's forward
+  convolution is fast). Differentiated, it is the same convolution as one
+  matrix product, ``patches @ kernel``: ``patches`` the Kh * Kw shifted
+  windows of ``x`` concatenated on the channel axis, [B, H', W', Kh*Kw*C],
+  and the kernel as a [Kh*Kw*C, F] matrix, whose gradient is two more
+  products (``patches^T @ cotangent``; ``cotangent @ kernel^T``, its windows
+  added back where they came from) instead of XLA:CPU's slow convolution
+  backward pass. Measured: BENCHMARKS.md, the CPU convolution path.
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+  Returns:
+    [B, H - Kh + 1, W - Kw + 1, F].
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  _check_kernel_fits(x, *kernel.shape[:2])
+  return jax.lax.conv_general_dilated(
+      x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def _patches_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  k_h, k_w, channels, features = kernel.shape
+  return jnp.matmul(_patches(x, k_h, k_w),
+                    kernel.reshape(k_h * k_w * channels, features))
+
+
+def _patches_conv_forward(x, kernel):
+  # Differentiated, the convolution is the product itself: its backward
+  # pass is then two more products (XLA:CPU's convolution backward is slow).
+  return jax.vjp(_patches_matmul, x, kernel)
+
+
+def _patches_conv_backward(transpose, cotangent):
+  return transpose(cotangent)
+
+
+patches_conv.defvjp(_patches_conv_forward, _patches_conv_backward)
+
+
 def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
            padding: str = 'VALID', impl: str | None = None) -> jax.Array:
-  """2-D convolution, NHWC, with a choice of implementation for stride > 1.
+  """2-D convolution, NHWC, with a choice of implementation.
 
   Args:
     x: [B, H, W, C].
     kernel: [Kh, Kw, C, F].
     stride: the same stride along both axes.
     padding: 'VALID' or 'SAME' (XLA's convention).
-    impl: 'space_to_depth' (a much faster backward pass on CPU: the paper
-      CapsNet trains 7.8x faster, BENCHMARKS.md) or 'direct'
-      (``lax.conv_general_dilated`` with the stride). None picks
-      space_to_depth for stride > 1 on the CPU backend and direct elsewhere:
-      on GPU the zero taps of the rearranged kernel would add 23% MACs to the
-      9x9 stride-2 PrimaryCaps conv, and cuDNN's strided kernels have no
-      such backward problem (not measured here: no GPU was available).
+    impl: 'patches' (a strided convolution regrouped space-to-depth into a
+      stride-1 one, whose gradient is a forward convolution and one matrix
+      product over patches: ``patches_conv``),
+      'space_to_depth' (the regrouping, then ``lax.conv_general_dilated``)
+      or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
+      patches on the CPU backend, where XLA's convolution backward pass is
+      slow (BENCHMARKS.md), and direct elsewhere: on GPU the zero taps of
+      the regrouped kernel would add 23% MACs to the 9x9 stride-2
+      PrimaryCaps conv and cuDNN's kernels have no such backward problem.
   Returns:
     [B, H', W', F].
   """
@@ -194,11 +266,10 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   if padding not in ('VALID', 'SAME'):
     raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
   if impl is None:
-    on_cpu = jax.default_backend() == 'cpu'
-    impl = 'space_to_depth' if stride > 1 and on_cpu else 'direct'
+    impl = 'patches' if jax.default_backend() == 'cpu' else 'direct'
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
-  if impl == 'direct' or stride == 1:
+  if impl == 'direct' or (impl == 'space_to_depth' and stride == 1):
     return jax.lax.conv_general_dilated(
         x, kernel, (stride, stride), padding,
         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
@@ -206,7 +277,11 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
     pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
     x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
-  return space_to_depth_conv(x, kernel, stride)
+  if impl == 'space_to_depth':
+    return space_to_depth_conv(x, kernel, stride)
+  if stride > 1:
+    x, kernel = _space_to_depth(x, kernel, stride)
+  return patches_conv(x, kernel)
 
 
 class Conv2D(nnx.Module):

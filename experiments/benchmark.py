@@ -117,6 +117,13 @@ _BANDWIDTH_GBS = flags.DEFINE_float(
     'bandwidth_gbs', 0.0, 'Memory bandwidth GB/s for routing floors on a CPU '
     '(0: time a 256 MB elementwise copy at startup).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of parameters and inputs.')
+_COMPARE = flags.DEFINE_enum(
+    'compare', '', ['', 'torch'], "'torch': also time the PyTorch reference "
+    'of the model (benchmarks/torch_models.py; pip install -e \'.[bench]\') '
+    'in the same process, alternating with capsjax, and report the ratio.')
+_ROUNDS = flags.DEFINE_integer(
+    'rounds', 3, 'With --compare: alternating rounds of --steps timed steps '
+    'each (the median round of each side is reported).', lower_bound=1)
 _NUM_DEVICES = flags.DEFINE_integer(
     'num_devices', 1, 'Local devices the batch is split over (data '
     'parallelism). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count'
@@ -310,12 +317,33 @@ def environment() -> dict[str, Any]:
   }
 
 
+def torch_train_step(config: ml_collections.ConfigDict, seed: int
+                     ) -> Callable[[], Any]:
+  """One train step of the model's PyTorch reference on the CPU threads
+  this process may use (benchmarks/torch_models.py)."""
+  try:
+    from benchmarks import torch_models
+  except ImportError as e:
+    raise ValueError(f'--compare=torch needs PyTorch and the repository '
+                     f"root on the path: pip install -e '.[bench]' and run "
+                     f'from the repository ({e}).') from e
+  return torch_models.train_step_fn(
+      config.model, state_lib.model_options(config), config.batch_size,
+      image_shape(config), num_classes(config), config.learning_rate,
+      config.get('reconstruction_weight', 0.0),
+      num_threads=len(os.sched_getaffinity(0)), seed=seed)
+
+
 def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                     steps: int = 5, warmup: int = 1, dtype: str = 'float32',
                     compile_only: bool = False, seed: int = 0,
-                    num_devices: int = 1) -> dict[str, Any]:
+                    num_devices: int = 1, compare: str = '',
+                    rounds: int = 3) -> dict[str, Any]:
   """One row: train/eval throughput, compile time and memory of a config,
-  the batch split over the first ``num_devices`` local devices."""
+  the batch split over the first ``num_devices`` local devices. With
+  ``compare='torch'`` the train step is timed in ``rounds`` rounds
+  alternating with the PyTorch reference's, and the row gets its images/s
+  and the ratio capsjax / PyTorch."""
   if not 1 <= num_devices <= jax.local_device_count():
     raise ValueError(
         f'num_devices must be 1 to {jax.local_device_count()} (the local '
@@ -382,7 +410,24 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
       state, metrics = train_compiled(state, images, labels, key)
       return state, metrics
 
-    train_s = _median_seconds(train_call, warmup, steps)
+    if compare == 'torch':
+      torch_step = torch_train_step(config, seed)
+      _median_seconds(torch_step, warmup, 1)
+      _median_seconds(train_call, warmup, 1)
+      jax_rounds, torch_rounds = [], []
+      for _ in range(rounds):  # alternating: both see the same machine
+        jax_rounds.append(_median_seconds(train_call, 0, steps))
+        torch_rounds.append(_median_seconds(torch_step, 0, steps))
+      train_s = statistics.median(jax_rounds)
+      torch_s = statistics.median(torch_rounds)
+      row.update(compare='torch', rounds=rounds,
+                 train_step_s_rounds=jax_rounds,
+                 torch_train_step_s_rounds=torch_rounds,
+                 torch_train_step_s=torch_s,
+                 torch_train_images_per_s=batch / torch_s,
+                 train_ratio_vs_torch=torch_s / train_s)
+    else:
+      train_s = _median_seconds(train_call, warmup, steps)
     eval_s = _median_seconds(
         lambda: eval_compiled(state.params, state.model_state, images, labels,
                               mask), warmup, steps)
@@ -557,6 +602,15 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
           f"{_gib(r['peak_memory_bytes'])} "
           f"({'device' if r['peak_memory_source'].startswith('device') else 'XLA'})"
           f" | {_gib(r['peak_rss_bytes'])} |")
+  compared = [r for r in model_rows if r.get('compare') == 'torch']
+  if compared:
+    lines += ['', '| model | batch | capsjax train img/s | PyTorch train img/s '
+              '| capsjax / PyTorch |', '|---|---|---|---|---|']
+    for r in compared:
+      lines.append(
+          f"| {r.get('label', r['model'])} | {r['batch_size']} | "
+          f"{r['train_images_per_s']:.1f} | {r['torch_train_images_per_s']:.1f}"
+          f" | {r['train_ratio_vs_torch']:.2f} |")
   if routing_rows:
     if lines:
       lines.append('')
@@ -606,8 +660,8 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
         sweep: str = '', options: dict[str, Any] | None = None,
         image_size: int = 0, compile_only: bool = False,
         peak_gflops: float = 0.0, bandwidth_gbs: float = 0.0, seed: int = 0,
-        num_devices: int = 1, log: Callable[[str], None] = print
-        ) -> list[dict[str, Any]]:
+        num_devices: int = 1, compare: str = '', rounds: int = 3,
+        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
   """All rows of one invocation (the flags as keyword arguments)."""
   sweep_key, values = parse_sweep(sweep)
   rows = []
@@ -646,7 +700,7 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
     config = configure(model, **setting)
     row = benchmark_model(config, name=model, steps=steps, warmup=warmup,
                           dtype=dtype, compile_only=compile_only, seed=seed,
-                          num_devices=devices)
+                          num_devices=devices, compare=compare, rounds=rounds)
     row['label'] = ' '.join(
         [model] + [f'{k}={v}' for k, v in (options or {}).items()]
         + ([f'{sweep_key}={value}'] if sweep_key else []))
@@ -656,6 +710,9 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
         f"{row['compile_s']:.1f}+{row['eval_compile_s']:.1f} s, peak memory "
         f"{_gib(row['peak_memory_bytes'])} GiB ({row['peak_memory_source']}), "
         f"peak RSS {_gib(row['peak_rss_bytes'])} GiB")
+    if compare:
+      log(f"  PyTorch train {row['torch_train_images_per_s']:.1f} img/s: "
+          f"capsjax / PyTorch = {row['train_ratio_vs_torch']:.2f}")
     rows.append(row)
   return rows
 
@@ -684,7 +741,8 @@ def benchmark() -> None:
              image_size=_IMAGE_SIZE.value, compile_only=_COMPILE_ONLY.value,
              peak_gflops=_PEAK_GFLOPS.value,
              bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value,
-             num_devices=_NUM_DEVICES.value)
+             num_devices=_NUM_DEVICES.value, compare=_COMPARE.value,
+             rounds=_ROUNDS.value)
   print(write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
 
 

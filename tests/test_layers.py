@@ -37,6 +37,9 @@ def _output_and_grads(conv, x, kernel, cotangent):
 
 
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
+    (9, 1, 28, 28),  # CapsNet conv1
+    (3, 1, 7, 9),  # Su's trunk
+    (1, 1, 4, 5),  # a 1x1 kernel: no patches to concatenate
     (9, 2, 20, 20),  # PrimaryCaps
     (4, 2, 10, 9),  # even kernel, odd width
     (5, 2, 13, 14),  # odd and even sizes
@@ -44,13 +47,15 @@ def _output_and_grads(conv, x, kernel, cotangent):
     (2, 3, 8, 7),  # kernel smaller than the stride
     (3, 3, 3, 5),  # kernel = input height
 ])
-def test_space_to_depth_conv_equals_direct(kernel_size, stride, height, width):
+@pytest.mark.parametrize('impl', ['space_to_depth', 'patches'])
+def test_cpu_convs_equal_direct_in_values_and_gradients(
+    impl, kernel_size, stride, height, width):
   x = _random(0, (2, height, width, 3))
   kernel = _random(1, (kernel_size, kernel_size, 3, 4), 0.2)
   out_shape = (2, (height - kernel_size) // stride + 1,
                (width - kernel_size) // stride + 1, 4)
   cotangent = _random(2, out_shape)
-  fast = lambda x, k: layers.space_to_depth_conv(x, k, stride)
+  fast = lambda x, k: layers.conv2d(x, k, stride, impl=impl)
   direct = lambda x, k: _direct_conv(x, k, stride)
   run = jax.jit(_output_and_grads, static_argnums=0)
   out, (gx, gk) = run(fast, x, kernel, cotangent)
@@ -62,13 +67,27 @@ def test_space_to_depth_conv_equals_direct(kernel_size, stride, height, width):
   np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize('impl', ['space_to_depth', 'direct'])
+def test_patches_conv_is_the_convolution_sum():
+  """patches_conv against the definition, in float64 NumPy: y[b, i, j, f] =
+  sum_{u, v, c} x[b, i + u, j + v, c] k[u, v, c, f]."""
+  x = np.asarray(_random(0, (2, 6, 7, 3)), np.float64)
+  kernel = np.asarray(_random(1, (3, 2, 3, 5)), np.float64)
+  ref = np.zeros((2, 4, 6, 5))
+  for u in range(3):
+    for v in range(2):
+      ref += np.einsum('bijc,cf->bijf', x[:, u:u + 4, v:v + 6], kernel[u, v])
+  out = layers.patches_conv(x.astype(np.float32), kernel.astype(np.float32))
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('impl', layers.CONV_IMPLS)
 @pytest.mark.parametrize('padding', ['VALID', 'SAME'])
-def test_conv2d_impls_and_padding(impl, padding):
+@pytest.mark.parametrize('stride', [1, 2])
+def test_conv2d_impls_and_padding(impl, padding, stride):
   x = _random(0, (2, 11, 10, 3))
   kernel = _random(1, (5, 5, 3, 4), 0.2)
-  out = layers.conv2d(x, kernel, 2, padding, impl)
-  np.testing.assert_allclose(out, _direct_conv(x, kernel, 2, padding),
+  out = layers.conv2d(x, kernel, stride, padding, impl)
+  np.testing.assert_allclose(out, _direct_conv(x, kernel, stride, padding),
                              rtol=1e-5, atol=1e-5)
 
 
@@ -82,6 +101,8 @@ def test_conv2d_rejects_bad_arguments():
     layers.conv2d(x, jnp.zeros((3, 3, 2, 2)), 2)
   with pytest.raises(ValueError, match='larger than the input'):
     layers.space_to_depth_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
+  with pytest.raises(ValueError, match='larger than the input'):
+    layers.patches_conv(x, jnp.zeros((9, 9, 3, 2)))
   with pytest.raises(ValueError, match='conv_impl'):
     layers.Conv2D(3, 4, 3, 2, conv_impl='fft', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='positive'):
