@@ -92,26 +92,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
           f'and both > {threshold} '
           f'{results[name]["pair_top2_confident_accuracy"]:.4f}', flush=True)
 
-  test = data_lib.load_dataset(config.dataset, data_dir=config.data_dir or None,
-                               validation_size=0).test
   seed = options.get('seed')
-  shown = two_digit_pairs.test_pairs(
-      test, config.seed if seed is None else seed, config.figure_pairs)
-  scores = {
-      name.removeprefix('two_digit_'): two_digit_pairs.predict_scores(
-          training.load_trained_model(os.path.join(workdir, name)),
-          shown['image'])
-      for name in config.models}
-  figure_path = os.path.join(workdir, 'pairs.png')
-  figures.pair_predictions_figure(data_lib.to_float(shown['image']),
-                                  shown['labels'], scores, figure_path,
-                                  threshold=threshold)
+  seed = config.seed if seed is None else seed
+  figure_path = None
+  if config.figure_pairs:  # 0: no figure
+    test = data_lib.load_dataset(
+        config.dataset, data_dir=config.data_dir or None,
+        validation_size=0).test
+    shown = two_digit_pairs.test_pairs(test, seed, config.figure_pairs)
+    scores = {
+        name.removeprefix('two_digit_'): two_digit_pairs.predict_scores(
+            training.load_trained_model(os.path.join(workdir, name)),
+            shown['image'])
+        for name in config.models}
+    figure_path = os.path.join(workdir, 'pairs.png')
+    figures.pair_predictions_figure(data_lib.to_float(shown['image']),
+                                    shown['labels'], scores, figure_path,
+                                    threshold=threshold)
   summary = {
       'experiment': 'two_digit_transfer',
       'models': results,
       'reported': {name: REPORTED[name] for name in config.models},
       'num_pairs': run['evals']['pairs']['num_pairs'],
-      'pair_seed': config.seed if seed is None else seed,
+      'pair_seed': seed,
       'confidence_threshold': threshold,
       'figure': figure_path,
       **training.environment(),

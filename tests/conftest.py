@@ -27,12 +27,43 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(REPO, '..', 'shared', 'data')
 # The MNIST IDX files beside the repository (../shared/data/mnist).
-MNIST = os.path.join(REPO, '..', 'shared', 'data', 'mnist')
-needs_mnist = pytest.mark.skipif(
-    not all(os.path.exists(os.path.join(MNIST, f'{split}-images-idx3-ubyte.gz'))
-            for split in ('train', 't10k')),
-    reason='../shared/data/mnist not present')
+MNIST = os.path.join(SHARED_DATA, 'mnist')
+FASHION_MNIST = os.path.join(SHARED_DATA, 'fashion-mnist')
+_IDX_FILES = tuple(f'{split}-{kind}-ubyte.gz' for split in ('train', 't10k')
+                   for kind in ('images-idx3', 'labels-idx1'))
+
+
+def missing_files(directory: str) -> list[str]:
+  """The IDX files of a dataset directory that are not there."""
+  return [name for name in _IDX_FILES
+          if not os.path.isfile(os.path.join(directory, name))]
+
+
+# The one gate of the tests that read a shared dataset. Without the files a
+# test is skipped on a developer's machine, and fails under CI (CI=true), so
+# that a missing dataset cannot turn the accuracy tests into silent skips.
+needs_mnist = pytest.mark.needs_data(MNIST)
+needs_fashion_mnist = pytest.mark.needs_data(FASHION_MNIST)
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'needs_data(directory): the test reads that dataset '
+      'directory (skipped without it; a failure under CI=true)')
+
+
+def pytest_runtest_setup(item):
+  for mark in item.iter_markers('needs_data'):
+    directory = os.path.normpath(mark.args[0])
+    missing = missing_files(directory)
+    if missing:
+      message = f'{directory} lacks {", ".join(missing)}'
+      if os.environ.get('CI') == 'true':
+        pytest.fail(f'{message}: CI must have the shared datasets.',
+                    pytrace=False)
+      pytest.skip(message)
 
 
 def training_env() -> dict[str, str]:

@@ -19,6 +19,7 @@ from capsjax.data import affnist as aff
 from capsjax.data import load_affnist
 from capsjax.data import read_idx
 from capsjax.data.idx import REPO_ROOT
+from tests.conftest import needs_mnist
 
 MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
 
@@ -150,8 +151,7 @@ def test_sampled_parameters_are_in_range():
   assert params['position'].min() >= 0 and params['position'].max() < 1
 
 
-@pytest.mark.skipif(not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').is_file(),
-                    reason=f'MNIST files not in {MNIST_DIR}')
+@needs_mnist
 def test_affine_mnist_on_test_digits():
   digits = read_idx(MNIST_DIR / 't10k-images-idx3-ubyte.gz')[:256, ..., None]
   out = affine_mnist(digits, 0)

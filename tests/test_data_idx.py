@@ -15,11 +15,9 @@ from capsjax.data import read_idx
 from capsjax.data.idx import REPO_ROOT
 from capsjax.data.idx import parse_idx
 from capsjax.data.mnist import read_idx_split
+from tests.conftest import needs_mnist
 
 MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
-needs_mnist = pytest.mark.skipif(
-    not (MNIST_DIR / 'train-images-idx3-ubyte.gz').is_file(),
-    reason=f'MNIST files not in {MNIST_DIR}')
 
 # From shared/data/mnist/PROVENANCE.md.
 TRAIN_HISTOGRAM = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]

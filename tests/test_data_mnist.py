@@ -14,14 +14,13 @@ from capsjax.data import Split
 from capsjax.data import idx as idx_lib
 from capsjax.data import load_dataset
 from capsjax.data import read_idx
+from tests.conftest import needs_fashion_mnist
+from tests.conftest import needs_mnist
 
 SHARED = idx_lib.REPO_ROOT.parent / 'shared' / 'data'
 MNIST_DIR = SHARED / 'mnist'
 FASHION_DIR = SHARED / 'fashion-mnist'
-pytestmark = pytest.mark.skipif(
-    not (MNIST_DIR / 'train-images-idx3-ubyte.gz').is_file()
-    or not (FASHION_DIR / 'train-images-idx3-ubyte.gz').is_file(),
-    reason=f'MNIST / Fashion-MNIST files not in {SHARED}')
+pytestmark = [needs_mnist, needs_fashion_mnist]
 FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte',
          't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')
 

@@ -10,6 +10,7 @@ from capsjax.data import multimnist_batch
 from capsjax.data import multimnist_test_set
 from capsjax.data import read_idx
 from capsjax.data.idx import REPO_ROOT
+from tests.conftest import needs_mnist
 
 MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
 NUM_IDS = 50
@@ -98,8 +99,7 @@ def test_every_class_needed(blocks):
     multimnist_batch(jax.random.key(0), images[keep], labels[keep], 4)
 
 
-@pytest.mark.skipif(not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').is_file(),
-                    reason=f'MNIST files not in {MNIST_DIR}')
+@needs_mnist
 def test_test_set_on_mnist_digits():
   images = read_idx(MNIST_DIR / 't10k-images-idx3-ubyte.gz')[..., None]
   labels = read_idx(MNIST_DIR / 't10k-labels-idx1-ubyte.gz').astype(np.int32)

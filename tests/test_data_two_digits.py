@@ -1,6 +1,5 @@
 """Su's side-by-side pairs: halves, classes, coverage, determinism."""
 
-import os
 
 import numpy as np
 import pytest
@@ -8,6 +7,7 @@ import pytest
 from capsjax.data import load_dataset
 from capsjax.data import side_by_side_pairs
 from capsjax.data.idx import REPO_ROOT
+from tests.conftest import needs_mnist
 
 MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
 
@@ -84,8 +84,7 @@ def test_bad_shapes(blocks):
     side_by_side_pairs(images, labels[:-1], 0)
 
 
-@pytest.mark.skipif(not os.path.exists(MNIST_DIR / 't10k-images-idx3-ubyte.gz'),
-                    reason='../shared/data/mnist not present')
+@needs_mnist
 def test_mnist_test_split_gives_about_9000_pairs_of_28x56():
   test = load_dataset('mnist', data_dir=MNIST_DIR, validation_size=0).test
   pairs = side_by_side_pairs(test.images, test.labels, seed=0)

@@ -394,3 +394,22 @@ def test_full_disk_while_saving_is_one_clear_error_and_keeps_checkpoint(
   assert checkpointer.latest_step() == 2
   checkpointer.close()
   assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
+
+
+def test_max_train_seconds_stops_with_a_checkpoint_and_a_summary(
+    tmp_path, tiny_mnist):
+  """A time limit shorter than a step: the run stops after its first step
+  as if it were the last (validated, checkpointed, tested); a rerun of the
+  same command resumes and stops one step later."""
+  workdir = str(tmp_path / 'work')
+  config = _tiny_config(tiny_mnist, num_train_steps=12)
+  del config['max_train_seconds']  # an int in the config; a float here
+  config.max_train_seconds = 1e-9
+  summary = dynamic.train_and_evaluate(config, workdir)
+  assert summary['steps'] == 1, summary
+  assert summary['selected_step'] == 1 and summary['test']
+  checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  assert checkpointer.latest_step() == 1
+  checkpointer.close()
+  again = dynamic.train_and_evaluate(config, workdir)
+  assert again['steps'] == 2, again
