@@ -127,6 +127,14 @@ def _conv_padding(size: int, kernel_size: int, stride: int, padding: str
   return total // 2, total - total // 2
 
 
+def _lax_conv(x: jax.Array, kernel: jax.Array, stride: int = 1,
+              padding: str = 'VALID') -> jax.Array:
+  """XLA's convolution, NHWC inputs and HWIO kernels."""
+  return jax.lax.conv_general_dilated(
+      x, kernel, (stride, stride), padding,
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
 def _space_to_depth(x: jax.Array, kernel: jax.Array, stride: int
                     ) -> tuple[jax.Array, jax.Array]:
   """Input and kernel of the stride-1 VALID convolution that equals the
@@ -172,8 +180,7 @@ def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
     ``lax.conv_general_dilated(x, kernel, (s, s), 'VALID')``.
   """
   x, kernel = _space_to_depth(jnp.asarray(x), jnp.asarray(kernel), stride)
-  return jax.lax.conv_general_dilated(
-      x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  return _lax_conv(x, kernel)
 
 
 def _check_kernel_fits(x: jax.Array, k_h: int, k_w: int) -> None:
@@ -214,8 +221,7 @@ def patches_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
   """
   x, kernel = jnp.asarray(x), jnp.asarray(kernel)
   _check_kernel_fits(x, *kernel.shape[:2])
-  return jax.lax.conv_general_dilated(
-      x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  return _lax_conv(x, kernel)
 
 
 def _patches_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -247,8 +253,8 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     stride: the same stride along both axes.
     padding: 'VALID' or 'SAME' (XLA's convention).
     impl: 'patches' (a strided convolution regrouped space-to-depth into a
-      stride-1 one, whose gradient is a forward convolution and one matrix
-      product over patches: ``patches_conv``),
+      stride-1 one, evaluated by XLA and differentiated as matrix products
+      over patches: ``patches_conv``),
       'space_to_depth' (the regrouping, then ``lax.conv_general_dilated``)
       or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
       patches on the CPU backend, where XLA's convolution backward pass is
@@ -270,9 +276,7 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
   if impl == 'direct' or (impl == 'space_to_depth' and stride == 1):
-    return jax.lax.conv_general_dilated(
-        x, kernel, (stride, stride), padding,
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    return _lax_conv(x, kernel, stride, padding)
   if padding == 'SAME':
     pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
     pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)

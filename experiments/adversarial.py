@@ -45,8 +45,7 @@ def attack_workdir(config: ml_collections.ConfigDict, model_workdir: str
   """Attack the model trained in ``model_workdir``; one row of the summary."""
   context = training.load_context(model_workdir,
                                   data_dir=config.data_dir or None)
-  attacks.check(context.config, **attack_options(config))
-  row = attacks.evaluate(context, **attack_options(config))
+  row = attacks.evaluate(context, **attack_options(config))  # checks too
   summary_path = os.path.join(model_workdir, 'summary.json')
   trained = json.load(open(summary_path)) if os.path.exists(
       summary_path) else {}

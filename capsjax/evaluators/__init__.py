@@ -75,6 +75,14 @@ class Context:
     return os.path.join(directory, name)
 
 
+def check_int(evaluator: str, name: str, value: Any, minimum: int,
+              note: str = '') -> None:
+  """ValueError unless the option ``name`` is an int >= ``minimum``."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f'the {evaluator} evaluator takes {name} >= {minimum}'
+                     f'{note}, got {value!r}.')
+
+
 def available() -> tuple[str, ...]:
   """The evaluator types: the modules of this package."""
   return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__)))

@@ -35,8 +35,8 @@ def check(config: ml_collections.ConfigDict, *, source: str = 'affine_mnist',
       raise ValueError("the affine evaluator with source='affnist' needs "
                        'directory=<the affNIST release>.')
     data_lib.affnist_files(directory, 'test')
-  elif isinstance(size, bool) or not isinstance(size, int) or size < 1:
-    raise ValueError(f'the affine evaluator takes size >= 1, got {size!r}.')
+  else:
+    evaluators.check_int('affine', 'size', size, 1)
 
 
 def test_split(config: ml_collections.ConfigDict, *,

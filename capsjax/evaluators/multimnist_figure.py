@@ -43,10 +43,7 @@ def check(config: ml_collections.ConfigDict, *, num_examples: int = 8) -> None:
   if config.dataset != 'multimnist':
     raise ValueError(f"the multimnist_figure evaluator needs config.dataset "
                      f"'multimnist', got {config.dataset!r}.")
-  if isinstance(num_examples, bool) or not isinstance(num_examples, int) or (
-      num_examples < 1):
-    raise ValueError(f'the multimnist_figure evaluator takes num_examples '
-                     f'>= 1, got {num_examples!r}.')
+  evaluators.check_int('multimnist_figure', 'num_examples', num_examples, 1)
 
 
 def evaluate(context: evaluators.Context, *, num_examples: int = 8

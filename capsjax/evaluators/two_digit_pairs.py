@@ -92,10 +92,8 @@ def check(config, *, num_pairs: int = 0, seed: int | None = None,
   if config.dataset != 'mnist':
     raise ValueError(f"Su's test is on MNIST digits; config.dataset is "
                      f'{config.dataset!r}.')
-  if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or (
-      num_pairs < 0):
-    raise ValueError(f'the two_digit_pairs evaluator takes num_pairs >= 0 '
-                     f'(0: all), got {num_pairs!r}.')
+  evaluators.check_int('two_digit_pairs', 'num_pairs', num_pairs, 0,
+                      ' (0: all)')
   if not 0 <= confidence_threshold < 1:
     raise ValueError(f'confidence_threshold must be in [0, 1), got '
                      f'{confidence_threshold!r}.')

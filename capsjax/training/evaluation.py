@@ -11,22 +11,26 @@ from jax.sharding import Mesh
 from capsjax import data as data_lib
 from capsjax.training.sharding import batch_sharded
 from capsjax.training.sharding import on_mesh
+from capsjax.training.sharding import replicated
 from capsjax.training.sharding import take_batch
 from capsjax.training.state import TrainState
 
 
 def evaluate(eval_step: Callable, state: TrainState,
-             split: data_lib.Split, images_on_device: jax.Array,
-             batch_size: int, mesh: Mesh) -> dict[str, float]:
+             split: data_lib.Split, batch_size: int, mesh: Mesh,
+             images_on_device: jax.Array | None = None) -> dict[str, float]:
   """Accuracy and mean loss over a whole split, padding the last batch.
 
   ``eval_step(params, model_state, images, labels, mask)`` returns
   sums {'correct', 'loss', 'count'} over the masked examples.
-  ``images_on_device``: the split's images, replicated on ``mesh``.
+  ``images_on_device``: the split's images already replicated on ``mesh``
+  (a split evaluated many times is placed once); None places them here.
   """
   num = len(split.labels)
   if num == 0:
     return {}
+  if images_on_device is None:
+    images_on_device = on_mesh(split.images, replicated(mesh))
   # No bigger than the split needs (rounded up to the device count).
   batch_size = min(batch_size, -(-num // mesh.size) * mesh.size)
   batch_size = max(mesh.size, batch_size - batch_size % mesh.size)

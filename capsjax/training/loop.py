@@ -227,10 +227,8 @@ class _Run:
                                 'acc': scalars['train/accuracy']})
 
   def evaluate(self, split: data_lib.Split, images=None) -> dict[str, float]:
-    if images is None:
-      images = on_mesh(split.images, replicated(self.mesh))
-    return evaluate(self._eval_step, self.state, split, images,
-                    self.config.eval_batch_size, self.mesh)
+    return evaluate(self._eval_step, self.state, split,
+                    self.config.eval_batch_size, self.mesh, images)
 
   def validate(self, writer) -> dict[str, float]:
     """Validation metrics; a new best is saved as the selected model."""

@@ -17,8 +17,6 @@ from capsjax.training import dynamic
 from capsjax.training import em
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import make_mesh
-from capsjax.training.sharding import on_mesh
-from capsjax.training.sharding import replicated
 from capsjax.training.state import make_optimizer
 
 _FAMILIES = {'dynamic': dynamic, 'em': em}
@@ -52,14 +50,9 @@ def load_context(workdir: str, which: str = 'best',
   make = (trainer.make_multimnist_steps if config.dataset == 'multimnist'
           else trainer.make_steps)
   steps = make(config, optimizer)
-  eval_step = functools.partial(steps.eval_step, graphdef)
-  mesh = make_mesh(1)
-
-  def evaluate_split(split):
-    return evaluate(eval_step, state, split,
-                    on_mesh(split.images, replicated(mesh)),
-                    config.eval_batch_size, mesh)
-
+  evaluate_split = functools.partial(
+      evaluate, functools.partial(steps.eval_step, graphdef), state,
+      batch_size=config.eval_batch_size, mesh=make_mesh(1))
   return evaluators.Context(
       model=nnx.merge(graphdef, state.params, state.model_state),
       config=config, workdir=workdir, evaluate_split=evaluate_split,
