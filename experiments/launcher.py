@@ -25,13 +25,16 @@ def run_command(argv: list[str], body: Callable[[], None],
   """What every experiment's ``main`` does around its ``body``.
 
   Rejects stray arguments, keeps absl's INFO logging (orbax logs every save
-  and restore) off unless -v is given, and turns ``errors`` into one
-  ``error: ...`` line and exit status 2.
+  and restore) off unless -v is given, makes glibc keep the memory XLA:CPU
+  frees (``training.host_memory``: before JAX starts its backend), and turns
+  ``errors`` into one ``error: ...`` line and exit status 2.
   """
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
+  from capsjax.training import host_memory  # imports jax: after the flags
+  logging.info('host memory: %s', host_memory.retain_freed_memory())
   try:
     body()
   except errors as e:
