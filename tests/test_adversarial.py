@@ -329,11 +329,19 @@ def test_smoke_trains_attacks_and_writes_table_and_plot(tmp_path):
   summary = json.load(open(workdir / 'summary.json'))
   assert summary['epsilons'] == [0.0, 0.1, 0.3]
   assert set(summary['models']) == {'capsnet', 'baseline_cnn'}
-  for row in summary['models'].values():
+  print(json.dumps(summary['models'], indent=1))
+  for name, row in summary['models'].items():
     for attack in ('fgsm', 'bim'):
       assert len(row[attack]) == 3
       assert row[attack][0] == row['clean_accuracy']
       assert all(0.0 <= a <= 1.0 for a in row[attack])
+      # The attacks work: accuracy falls as epsilon grows.
+      assert row[attack][2] < row[attack][0], (name, attack, row)
+    # BIM (iterated, same budget) is at least as strong as FGSM, to within
+    # 2 of the 50 attacked images.
+    for e in (1, 2):
+      assert row['bim'][e] <= row['fgsm'][e] + 0.04, (name, row)
+    assert row['clean_accuracy'] > 0.2, (name, row)  # trained, not chance
     assert row['test_accuracy_full_test_set'] is not None
   with open(workdir / 'accuracy_vs_epsilon.png', 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'

@@ -80,6 +80,16 @@ def test_perturbed_reconstructions(capsnet, images):
       assert np.abs(tiles[:, s] - tiles[:, t]).max() > 1e-6, (s, t)
   # Rows differ: each dimension moves the decoder its own way.
   assert np.abs(tiles[0, 0] - tiles[1, 0]).max() > 1e-6
+  # Tile (d, s) is the winning capsule alone, its dimension d (and no other
+  # entry) moved by steps[s], decoded by the model's own per-digit decoder.
+  capsules = out['capsules'][0]
+  winner = int(np.argmax(out['lengths'][0]))
+  for d, s in ((0, 0), (7, 3), (15, 10)):
+    moved = capsules.copy()
+    moved[winner, d] += steps[s]
+    pixels = capsnet.reconstruct_digits(moved[None], np.array([[winner]]))
+    np.testing.assert_allclose(tiles[d, s], np.asarray(pixels).reshape(
+        28, 28, 1), atol=1e-5)
 
 
 def test_perturbed_reconstructions_other_steps_and_uint8(capsnet, images):
@@ -151,6 +161,10 @@ def test_em_class_routing_and_assignment_figure(matrix_capsnet, images,
   assert np.all(np.isfinite(info['assignments']))
   np.testing.assert_allclose(info['assignments'].sum(-1), 1.0, atol=1e-4)
   assert info['scores'].shape == (10,)
+  # The picture's forward pass is the model's own.
+  out = figures.model_outputs(matrix_capsnet, images[1:2])
+  np.testing.assert_allclose(info['scores'], out['activations'][0], atol=1e-6)
+  assert info['prediction'] == int(np.argmax(out['activations'][0]))
   path = tmp_path / 'assignments.png'
   figures.assignment_figure(
       images[1], info['assignments'], path, grid=info['grid'],

@@ -314,7 +314,10 @@ def test_smoke_run_end_to_end(tmp_path, variant):
   assert summary['steps'] == config.num_train_steps
   assert summary['dataset'] == 'multimnist'
   assert record['test_error'] == pytest.approx(summary['test']['error'])
-  assert 0.0 <= record['test_error'] <= 1.0
+  print(json.dumps(record, indent=1))
+  # Both digits of a pair among the top 2 scores: 1/45 by chance (error
+  # 0.978); a pipeline that mixed up images and labels would sit there.
+  assert 0.0 <= record['test_error'] < 0.9, record
   assert record['paper_test_error'] == (0.081 if 'baseline' in variant
                                         else 0.052)
   lines = open(tmp_path / 'metrics.jsonl').read().splitlines()

@@ -14,10 +14,13 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from capsjax import data as data_lib
 from capsjax.training import checkpoints
 from capsjax.training import dynamic
 from capsjax.training import loop
+from capsjax.training import state as state_lib
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 from tests import conftest
@@ -134,6 +137,12 @@ def _tiny_flags(data_dir, **overrides):
   return flags + [f'--config.data_dir={data_dir}']
 
 
+def _fresh_model(config):
+  """The initial parameters of ``config``'s model, in checkpoint order."""
+  model = state_lib.create_model(config, seed=config.seed)
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
 def _params(workdir, which):
   model = checkpoints.load_trained_model(str(workdir), which=which)
   from flax import nnx
@@ -210,21 +219,20 @@ def _run_killed(workdir, flags, kind, step):
 
 
 def kill_plan(seed, total_steps, every):
-  """Three (kind, step) interruptions at increasing steps, one of them
-  between the write of a checkpoint and its rename."""
+  """Three (kind, step) interruptions at increasing steps: one during
+  training between two checkpoints (the most common kill), one between a
+  checkpoint's write and its rename, and one of the other two points."""
+  if every < 2:
+    raise ValueError('a kill between checkpoints needs checkpoint_every >= 2')
   rng = np.random.default_rng(seed)
-  kinds = ['rename', *rng.choice(['train', 'data', 'renamed'], 2,
-                                 replace=False)]
+  kinds = ['train', 'rename', str(rng.choice(['data', 'renamed']))]
   rng.shuffle(kinds)
   saves = np.arange(every, total_steps + 1, every)
   steps = np.sort(rng.choice(saves, 3, replace=False))
-  plan = []
-  for kind, step in zip(kinds, steps, strict=True):
-    if kind == 'train' and rng.random() < 0.5 and (
-        not plan or step - 1 > plan[-1][1]):
-      step -= 1  # between two checkpoints
-    plan.append((str(kind), int(step)))
-  return plan
+  # A training kill one step before a save: after the last checkpoint, with
+  # a step of unsaved work (saves are >= 2 apart, so the order holds).
+  return [(kind, int(step) - (kind == 'train'))
+          for kind, step in zip(kinds, steps, strict=True)]
 
 
 # CAPSJAX_TEST_KILL_SEEDS=1,2,3 tries other interruption plans.
@@ -283,13 +291,26 @@ def test_sigkill_anywhere_incl_mid_checkpoint_resumes_bit_identically(
                for w in (tmp_path / 'straight', workdir)]
   for key in ('steps', 'selected_step', 'validation', 'test'):
     assert summaries[0][key] == summaries[1][key], key
+  # And the reported test accuracy is a direct count with the selected model.
+  test = data_lib.load_dataset('mnist', data_dir=tiny_mnist,
+                               validation_size=TINY['validation_size']).test
+  model = checkpoints.load_trained_model(str(workdir), 'best')
+  lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
+                             train=False)['lengths'])
+  assert summaries[1]['test']['accuracy'] == pytest.approx(
+      np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
 
 
 def test_kill_plan_is_seeded_and_covers_a_kill_before_rename():
   for seed in range(20):
     plan = kill_plan(seed, 12, 2)
     assert plan == kill_plan(seed, 12, 2)
-    assert [k for k, _ in plan].count('rename') == 1
+    kinds = [k for k, _ in plan]
+    assert kinds.count('rename') == 1 and kinds.count('train') == 1
+    steps = [step for _, step in plan]
+    assert steps == sorted(set(steps))
+    # The training kill falls between two checkpoints.
+    assert all(step % 2 == 1 for kind, step in plan if kind == 'train')
     steps = [s for _, s in plan]
     assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] <= 12
     assert all(s % 2 == 0 for k, s in plan if k != 'train')
@@ -336,6 +357,37 @@ def test_same_seed_and_config_give_identical_runs(tmp_path, tiny_mnist):
   assert any(not np.array_equal(x, y)
              for x, y in zip(_params(tmp_path / 'a', 'latest'), other,
                              strict=True))
+
+
+def test_bfloat16_training_follows_float32_training(tmp_path, tiny_mnist):
+  """compute_dtype=bfloat16 end to end: the same run as float32 within
+  bfloat16's rounding, on float32 master parameters that do move."""
+  runs = {}
+  for dtype in ('float32', 'bfloat16'):
+    config = _tiny_config(tiny_mnist, num_train_steps=6, compute_dtype=dtype,
+                          checkpoint_every_steps=6, eval_every_steps=6)
+    summary = dynamic.train_and_evaluate(config, str(tmp_path / dtype))
+    losses = [json.loads(line)['train/loss'] for line in
+              open(tmp_path / dtype / 'metrics.jsonl') if 'train/loss' in line]
+    runs[dtype] = summary, losses, _params(tmp_path / dtype, 'latest')
+  (summary32, losses32, params32), (summary16, losses16, params16) = (
+      runs['float32'], runs['bfloat16'])
+  assert len(losses16) == len(losses32) == 6
+  # bfloat16 keeps 8 bits of mantissa: 2^-8 relative per rounding.
+  np.testing.assert_allclose(losses16, losses32, rtol=2e-2)
+  assert summary16['test']['loss'] == pytest.approx(
+      summary32['test']['loss'], rel=2e-2)
+  model = _fresh_model(_tiny_config(tiny_mnist))
+  # The parameters moved as in float32, to within a fraction of the move
+  # (Adam's normalised steps turn bfloat16's rounding of small gradients
+  # into up to 22% of a tensor's move here, 3% overall).
+  for p16, p32, p0 in zip(params16, params32, model, strict=True):
+    assert p16.dtype == np.float32
+    assert np.linalg.norm(p16 - p32) <= 0.4 * np.linalg.norm(p32 - p0)
+  flat = {name: np.concatenate([p.ravel() for p in params]) for name, params in
+          (('16', params16), ('32', params32), ('0', model))}
+  assert np.linalg.norm(flat['16'] - flat['32']) <= 0.1 * np.linalg.norm(
+      flat['32'] - flat['0'])
 
 
 @pytest.mark.parametrize('override,message', [

@@ -6,6 +6,7 @@ real data cannot be downloaded here), which also exercises the reader, the
 small EM model on ../shared/data/mnist.
 """
 
+import functools
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from flax import nnx
 from capsjax.training import checkpoints
 from capsjax.training import em
 from capsjax.training import loop
+from capsjax.training import state as state_lib
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
 from tests import conftest
@@ -98,14 +100,17 @@ def test_nonfinite_message_from_the_command_line(tmp_path, norb_dir):
 def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
   """The EM issue's CI target, with every loss and gradient finite.
 
-  The smoke model (one EM iteration on the central 24x24) reached 96.50%
-  test accuracy (96.66% validation) in 690 steps and under a minute of
-  training on a 2-core CPU; seed 1 96.28% (results/em_mnist_trials/session5).
-  Training is capped at 280 s (the config's guard): 95% is asserted when
-  every step ran, 93% when the guard stopped a much slower machine
-  mid-schedule.
+  The smoke model routes with two EM iterations in every layer, so the
+  E-step runs (an M-step-only model passed the one-iteration version). It reached
+  95.88% test accuracy (96.54% validation) in 1380 steps and about 2 minutes
+  of training on a 2-core CPU (results/em_mnist_trials/session7). Every step
+  must run inside the config's 280 s guard: a machine too slow for that
+  fails here rather than passing a weaker claim.
   """
   config = os.path.join(REPO, 'experiments/configs/matrix_capsnet_mnist.py:smoke')
+  smoke = matrix_capsnet_mnist.get_config('smoke')
+  assert smoke.model_options.num_iterations >= 2
+  assert smoke.model_options.caps1_iterations in (0, 2, 3)
   env = conftest.training_env()
   # Data parallelism over four host devices on the two cores: XLA's CPU
   # kernels of the routing are mostly single-threaded. Idle, the smoke
@@ -119,20 +124,117 @@ def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
   assert out.returncode == 0, out.stdout + out.stderr
   summary = json.load(open(tmp_path / 'summary.json'))
   print(json.dumps(summary, indent=1))
-  num_train_steps = matrix_capsnet_mnist.get_config('smoke').num_train_steps
-  assert 400 <= summary['steps'] <= num_train_steps
   assert summary['num_devices'] == 4
-  assert summary['train_wall_s_this_run'] < 300, summary
-  if summary['steps'] == num_train_steps:
-    assert summary['test']['accuracy'] >= 0.95, summary
-  else:
-    # The guard stopped a much slower machine mid-schedule (higher learning
-    # rate, lower margin); the two seeds had 93.68% and 94.54% validation
-    # accuracy at step 345.
-    assert summary['test']['accuracy'] >= 0.93, summary
+  assert summary['steps'] == smoke.num_train_steps, (
+      f'the {smoke.max_train_seconds} s guard stopped training at step '
+      f'{summary["steps"]} of {smoke.num_train_steps}: this machine is too '
+      f'slow for the CI claim', summary)
+  assert summary['test']['accuracy'] >= 0.95, summary
   records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   logged = [r for r in records if 'train/loss' in r]
   assert len(logged) >= summary['steps'] // 50
   for record in logged:
     assert math.isfinite(record['train/loss']), record
     assert math.isfinite(record['train/grad_norm']), record
+
+
+# ----------------------------------------------------------------------------
+# The loss branches, the weight decay and the step's margin, against float64
+# NumPy written from SPEC section 4 (spread loss, eq. 3), Sabour et al. eq. 4
+# (margin loss) and the softmax cross-entropy of logit(a).
+
+
+def _np_spread(a, labels, margin):
+  a = np.asarray(a, np.float64)
+  target = a[np.arange(len(labels)), labels][:, None]
+  gaps = np.maximum(0.0, margin - (target - a)) ** 2
+  gaps[np.arange(len(labels)), labels] = 0.0
+  return gaps.sum(-1)
+
+
+def _np_linear_margin(step, total):
+  return 0.2 + 0.7 * min(1.0, step / total)
+
+
+def _np_losses(a, labels):
+  a = np.asarray(a, np.float64)
+  one_hot = np.eye(a.shape[-1])[labels]
+  margin = (one_hot * np.maximum(0, 0.9 - a) ** 2
+            + 0.5 * (1 - one_hot) * np.maximum(0, a - 0.1) ** 2).sum(-1)
+  logits = np.log(a) - np.log1p(-a)
+  log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + \
+      logits.max(-1)
+  cross_entropy = log_z - logits[np.arange(len(labels)), labels]
+  return {'margin': margin, 'cross_entropy': cross_entropy}
+
+
+def test_em_loss_branches_equal_their_definitions():
+  rng = np.random.default_rng(0)
+  activations = rng.uniform(0.05, 0.95, (6, 5)).astype(np.float32)
+  labels = rng.integers(0, 5, 6)
+  config = _norb_config('', margin_schedule='linear', margin_steps=100)
+  for step in (0, 40, 100, 500):
+    got = em.em_loss(activations, labels, np.int32(step), config)
+    np.testing.assert_allclose(
+        got, _np_spread(activations, labels, _np_linear_margin(step, 100)),
+        rtol=1e-5, atol=1e-7)
+  expected = _np_losses(activations, labels)
+  for name in ('margin', 'cross_entropy'):
+    config.loss = name
+    np.testing.assert_allclose(em.em_loss(activations, labels, 0, config),
+                               expected[name], rtol=1e-5, atol=1e-7)
+  # Saturated activations stay finite in the cross-entropy's logit.
+  config.loss = 'cross_entropy'
+  saturated = np.array([[0.0, 1.0, 0.5]], np.float32)
+  assert np.isfinite(em.em_loss(saturated, np.array([0]), 0, config)).all()
+  config.loss = 'hinge'
+  with pytest.raises(ValueError, match="'spread', 'cross_entropy'"):
+    em.em_loss(activations, labels, 0, config)
+
+
+def test_l2_penalty_exempts_exactly_the_biases_and_betas():
+  config = _norb_config('')
+  model = state_lib.create_model(config, seed=0)
+  params = nnx.state(model, nnx.Param)
+  decayed, exempt = 0.0, []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    name = jax.tree_util.keystr(path)
+    if 'bias' in name or 'beta' in name:
+      exempt.append(name)
+    else:
+      decayed += np.sum(np.asarray(leaf, np.float64) ** 2)
+  assert any('beta_a' in n for n in exempt)
+  assert any('beta_u' in n for n in exempt)
+  assert any('bias' in n for n in exempt)
+  assert float(em.l2_penalty(params)) == pytest.approx(decayed, rel=1e-5)
+
+
+@pytest.mark.parametrize('loss', ['spread', 'cross_entropy', 'margin'])
+def test_train_step_feeds_the_state_step_to_the_loss(norb_dir, loss):
+  """class_loss of a train step at optimizer step s is the loss of the
+  model's own activations with the margin of step s (spread), computed here
+  from those activations."""
+  config = _norb_config(norb_dir, loss=loss, margin_schedule='linear',
+                        margin_steps=100, weight_decay=0.0)
+  config.model_options.update(A=4, B=2, C=2, D=2)
+  model = state_lib.create_model(config, seed=0)
+  optimizer = state_lib.make_optimizer(config)
+  graphdef, state = state_lib.init_train_state(model, optimizer)
+  steps = em.make_steps(config, optimizer)
+  train_step = jax.jit(functools.partial(steps.train_step, graphdef))
+  data = em.load_data(config)
+  images = np.asarray(data.train.images[:4])
+  labels = np.asarray(data.train.labels[:4], np.int32)
+  key = jax.random.PRNGKey(3)
+  inputs = em.preprocess(config, jax.numpy.asarray(images), key)
+  activations = np.asarray(nnx.jit(lambda m, x, y: m(x, y, train=True)[
+      'activations'])(model, inputs, labels))
+  for step in (0, 60):
+    _, metrics = train_step(state._replace(step=np.int32(step)), images,
+                            labels, key)
+    if loss == 'spread':
+      expected = _np_spread(activations, labels,
+                            _np_linear_margin(step, 100)).mean()
+    else:
+      expected = _np_losses(activations, labels)[loss].mean()
+    assert float(metrics['class_loss']) == pytest.approx(expected, rel=2e-4)

@@ -1,0 +1,173 @@
+"""Plant known bugs in a scratch copy of the repository; the tests must fail.
+
+    python tools/mutation_check.py               # every mutation
+    python tools/mutation_check.py --only=skip_e_step,swap_softmax_axis
+    python tools/mutation_check.py --list
+
+Each mutation replaces one exact piece of source (it must occur exactly once)
+in a fresh copy of the working tree, then runs the tests that should catch
+it, with the copy first on the path. A mutation is "caught" when pytest
+exits non-zero; the table at the end names the failing tests. First the
+same tests run on an unmutated copy and must pass (else a failure would
+prove nothing). Exit status 1 if the control failed or any mutation
+survived. Nothing in the working tree is modified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+  name: str
+  path: str
+  old: str
+  new: str
+  tests: tuple[str, ...]  # pytest node ids or files, relative to the repo
+
+
+MUTATIONS = (
+    Mutation(
+        'drop_evaluation_mask', 'capsjax/training/evaluation.py',
+        '    mask = idx < num',
+        '    mask = idx >= 0  # the padded copies counted too',
+        ('tests/test_evaluators.py',)),
+    Mutation(
+        'select_last_not_best', 'capsjax/training/loop.py',
+        '    if self.best_record is not None and self.best.latest_step() is not None:\n'
+        '      self.state = self.best.restore(self.state)',
+        '    pass',
+        ('tests/test_evaluators.py',)),
+    Mutation(
+        'ignore_beta_a', 'capsjax/routing.py',
+        '    activation_logits = inverse_temperature * (beta_a - cost)',
+        '    activation_logits = inverse_temperature * (0.0 * beta_a - cost)',
+        ('tests/test_routing.py',)),
+    Mutation(
+        'skip_e_step', 'capsjax/routing.py',
+        '    log_assignments = em_e_step(votes32, poses, log_variances,\n'
+        '                                activation_logits, normalizer)',
+        '    log_assignments = state.log_assignments',
+        ('tests/test_routing.py',)),
+    Mutation(
+        'swap_softmax_axis', 'capsjax/routing.py',
+        '    return jax.nn.softmax(logits, axis=-1)',
+        '    return jax.nn.softmax(logits, axis=-2)',
+        ('tests/test_routing.py',)),
+    Mutation(
+        'average_not_sum_votes', 'capsjax/routing.py',
+        "  s = jnp.einsum('...io,...iod->...od', coupling, votes)",
+        "  s = jnp.einsum('...io,...iod->...od', coupling, votes) / votes.shape[-3]",
+        ('tests/test_routing.py',)),
+)
+
+
+def copy_tree(destination: str) -> None:
+  """The working tree's tracked and untracked-but-not-ignored files."""
+  files = subprocess.run(
+      ['git', 'ls-files', '-co', '--exclude-standard', '-z'], cwd=REPO,
+      check=True, capture_output=True).stdout.decode().split('\0')
+  for name in filter(None, files):
+    source = os.path.join(REPO, name)
+    if not os.path.isfile(source):
+      continue
+    target = os.path.join(destination, name)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.copy2(source, target)
+  shared = os.path.join(os.path.dirname(REPO), 'shared')
+  if os.path.isdir(shared):  # ../shared/data for the tests that read MNIST
+    os.symlink(shared, os.path.join(os.path.dirname(destination), 'shared'))
+
+
+def apply(mutation: Mutation, root: str) -> None:
+  path = os.path.join(root, mutation.path)
+  text = open(path).read()
+  count = text.count(mutation.old)
+  if count != 1:
+    raise SystemExit(f'mutation {mutation.name}: the text to replace occurs '
+                     f'{count} times in {mutation.path} (expected once); '
+                     f'update tools/mutation_check.py.')
+  with open(path, 'w') as f:
+    f.write(text.replace(mutation.old, mutation.new))
+
+
+def run_tests(mutation: Mutation, root: str) -> tuple[bool, list[str], float]:
+  """(caught, failing test ids, seconds)."""
+  env = dict(os.environ, PYTHONPATH=root, CAPSJAX_RETAIN_HOST_MEMORY='0')
+  start = time.time()
+  out = subprocess.run(
+      [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
+       '-m', 'not slow', *mutation.tests],
+      cwd=root, env=env, capture_output=True, text=True)
+  failed = re.findall(r'^FAILED (\S+)', out.stdout, re.M)
+  # The copy must be what was imported, or the check proves nothing.
+  probe = subprocess.run(
+      [sys.executable, '-c', 'import capsjax, os; print(os.path.abspath('
+       'capsjax.__file__))'], cwd=root, env=env, capture_output=True,
+      text=True).stdout.strip()
+  if not probe.startswith(os.path.realpath(root)) and not probe.startswith(
+      root):
+    raise SystemExit(f'capsjax was imported from {probe}, not the scratch '
+                     f'copy {root}.')
+  return out.returncode != 0, failed, time.time() - start
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='',
+                      help='comma-separated mutation names (default: all)')
+  parser.add_argument('--list', action='store_true',
+                      help='print the mutations and exit')
+  args = parser.parse_args()
+  names = {m.name for m in MUTATIONS}
+  chosen = [n for n in args.only.split(',') if n] or [m.name for m in MUTATIONS]
+  unknown = sorted(set(chosen) - names)
+  if unknown:
+    parser.error(f'unknown mutations {unknown}; known: {sorted(names)}')
+  if args.list:
+    for m in MUTATIONS:
+      print(f'{m.name}: {m.path} ({", ".join(m.tests)})')
+    return 0
+  selected = [m for m in MUTATIONS if m.name in chosen]
+  control = Mutation('control (no mutation)', '', '', '', tuple(sorted(
+      {t for m in selected for t in m.tests})))
+  with tempfile.TemporaryDirectory(prefix='capsjax-control-') as scratch:
+    root = os.path.join(scratch, 'main')
+    copy_tree(root)
+    failed_control, failed, seconds = run_tests(control, root)
+  result = 'FAILED ' + ' '.join(failed) if failed_control else 'passed'
+  print(f'{control.name}: {result} ({seconds:.0f} s)', flush=True)
+  if failed_control:
+    return 1
+  rows = []
+  for mutation in selected:
+    with tempfile.TemporaryDirectory(prefix='capsjax-mutant-') as scratch:
+      root = os.path.join(scratch, 'main')
+      copy_tree(root)
+      apply(mutation, root)
+      caught, failed, seconds = run_tests(mutation, root)
+    rows.append((mutation, caught, failed, seconds))
+    print(f'{mutation.name}: {"caught" if caught else "SURVIVED"} '
+          f'({seconds:.0f} s) {" ".join(failed)}', flush=True)
+  print('\n| mutation | file | tests run | result | first failing test |')
+  print('|---|---|---|---|---|')
+  for mutation, caught, failed, seconds in rows:
+    print(f'| {mutation.name} | {mutation.path} | {", ".join(mutation.tests)} '
+          f'| {"caught" if caught else "**survived**"} ({seconds:.0f} s) '
+          f'| {failed[0] if failed else "-"} |')
+  return 0 if all(caught for _, caught, _, _ in rows) else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
