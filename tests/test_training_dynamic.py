@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from capsjax import data as data_lib
+from capsjax import training
 from capsjax.training import checkpoints
 from capsjax.training import dynamic
 from capsjax.training import loop
@@ -294,7 +295,7 @@ def test_sigkill_anywhere_incl_mid_checkpoint_resumes_bit_identically(
   # And the reported test accuracy is a direct count with the selected model.
   test = data_lib.load_dataset('mnist', data_dir=tiny_mnist,
                                validation_size=TINY['validation_size']).test
-  model = checkpoints.load_trained_model(str(workdir), 'best')
+  model = training.load_trained_model(str(workdir), 'best')
   lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
                              train=False)['lengths'])
   assert summaries[1]['test']['accuracy'] == pytest.approx(

@@ -101,8 +101,8 @@ def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
   """The EM issue's CI target, with every loss and gradient finite.
 
   The smoke model routes with two EM iterations in every layer, so the
-  E-step runs (an M-step-only model passed the one-iteration version). It reached
-  95.88% test accuracy (96.54% validation) in 1380 steps and about 2 minutes
+  E-step runs (an M-step-only model passed the one-iteration version). It
+  reached 95.47% test accuracy (seed 1: 95.84%) in 1035 steps and 92-160 s
   of training on a 2-core CPU (results/em_mnist_trials/session7). Every step
   must run inside the config's 280 s guard: a machine too slow for that
   fails here rather than passing a weaker claim.
@@ -130,6 +130,7 @@ def test_small_em_model_reaches_95_percent_on_mnist_in_5_minutes(tmp_path):
       f'{summary["steps"]} of {smoke.num_train_steps}: this machine is too '
       f'slow for the CI claim', summary)
   assert summary['test']['accuracy'] >= 0.95, summary
+  assert summary['train_wall_s_this_run'] < 300, summary
   records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   logged = [r for r in records if 'train/loss' in r]
   assert len(logged) >= summary['steps'] // 50
