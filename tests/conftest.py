@@ -19,6 +19,7 @@ os.environ.setdefault(
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '1')
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # As equinox does: implicit rank promotion ([B, O] + [O]) is how a batch axis
@@ -99,3 +100,23 @@ def write_mnist_subset(directory, num_train: int, num_test: int) -> str:
 
   return write_mnist_dir(directory, first('train', num_train),
                          first('t10k', num_test))
+
+
+# ----------------------------------------------------------------------------
+# NumPy references the tests of several files count with.
+
+
+def np_margin_loss(lengths, labels):
+  """Sabour et al. eq. 4 in float64, summed over the classes: [B, K]
+  lengths, int [B] labels -> [B]."""
+  one_hot = np.eye(lengths.shape[-1])[labels]
+  lengths = np.asarray(lengths, np.float64)
+  return np.sum(one_hot * np.maximum(0, 0.9 - lengths) ** 2 + 0.5 * (
+      1 - one_hot) * np.maximum(0, lengths - 0.1) ** 2, axis=-1)
+
+
+def np_both_in_top2(scores, labels):
+  """bool [M]: the two highest of the scores [M, K] are the two classes of
+  labels int [M, 2], in either order."""
+  top2 = np.sort(np.argsort(-np.asarray(scores), axis=-1)[:, :2], axis=-1)
+  return np.all(top2 == np.sort(labels, axis=-1), axis=-1)

@@ -22,6 +22,7 @@ from capsjax.evaluators import affine
 from capsjax.evaluators import attacks
 from capsjax.evaluators import two_digit_pairs
 from experiments.configs import capsnet_mnist
+from tests import conftest
 from tests.test_data_affnist import write_release_mat
 from tests.test_training_dynamic import TINY
 from tests.test_training_dynamic import TINY_OPTIONS
@@ -57,13 +58,6 @@ def trained(tmp_path_factory):
   return workdir, summary, config, test
 
 
-def _margin_loss(lengths, labels):
-  """Sabour et al. eq. 4 in float64, summed over the classes."""
-  one_hot = np.eye(lengths.shape[-1])[labels]
-  return np.sum(one_hot * np.maximum(0, 0.9 - lengths) ** 2 + 0.5 * (
-      1 - one_hot) * np.maximum(0, lengths - 0.1) ** 2, axis=-1)
-
-
 def test_fit_runs_the_config_evals_on_the_selected_model(trained):
   workdir, summary, _, test = trained
   assert summary['evals']['test_again'] == summary['test']
@@ -93,7 +87,7 @@ def test_reported_test_numbers_are_a_direct_count_on_the_selected_model(
   accuracy = np.mean(np.argmax(lengths, -1) == test.labels)
   reconstruction = np.sum((np.asarray(outputs['reconstructions'], np.float64)
                            - images.reshape(_NUM_TEST, -1)) ** 2, axis=-1)
-  loss = np.mean(_margin_loss(lengths, test.labels) +
+  loss = np.mean(conftest.np_margin_loss(lengths, test.labels) +
                  config.reconstruction_weight * reconstruction)
   assert summary['test']['accuracy'] == pytest.approx(accuracy, abs=1e-12)
   assert summary['test']['error'] == pytest.approx(1 - accuracy, abs=1e-12)
@@ -140,9 +134,7 @@ def test_two_digit_pairs_counts_both_classes_of_each_pair(tmp_path):
   pairs = data_lib.side_by_side_pairs(test.images, test.labels, 3)
   images = pairs['image'][:25].astype(np.float32) / 255.0
   scores = np.asarray(model(images, train=False)['scores'])
-  top = np.argsort(-scores, axis=-1)[:, :2]
-  right = np.sort(top, -1) == np.sort(pairs['labels'][:25], -1)
-  right = np.all(right, -1)
+  right = conftest.np_both_in_top2(scores, pairs['labels'][:25])
   second = np.sort(scores, -1)[:, -2]
   assert result['num_pairs'] == 25
   assert result['top2'] == pytest.approx(np.mean(right))

@@ -63,10 +63,11 @@ def retain_freed_memory() -> str:
   if not sys.platform.startswith('linux'):
     return f'not applied: {sys.platform} is not Linux'
   platforms = os.environ.get('JAX_PLATFORMS', '')
-  if platforms and platforms.split(',')[0] != 'cpu':
+  cpu_first = platforms.split(',')[0] == 'cpu'
+  if platforms and not cpu_first:
     return f'not applied: JAX_PLATFORMS={platforms}'
-  plugins = _accelerator_plugins()
-  if plugins and platforms.split(',')[0] != 'cpu':
+  plugins = [] if cpu_first else _accelerator_plugins()
+  if plugins:
     return f'not applied: accelerator plugins installed ({", ".join(plugins)})'
   if _backend_started():
     return 'not applied: the JAX backend had already started'
