@@ -1,18 +1,9 @@
-import resource, time, sys, functools, numpy as np, jax
+import os, resource, sys, time, jax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from experiments import benchmark
-from capsjax.training import state as state_lib, sharding
+from train_step import compiled_train_step
 def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-spec = sys.argv[1]; B = int(sys.argv[2])
-config = benchmark.configure(spec, batch_size=B)
-model = state_lib.create_model(config, seed=0)
-opt = state_lib.make_optimizer(config)
-graphdef, state = state_lib.init_train_state(model, opt)
-steps = benchmark.make_steps(config, opt, 'float32')
-rng = np.random.default_rng(0); shape = benchmark.image_shape(config)
-images = jax.numpy.asarray(rng.integers(0,256,(B,)+shape,np.uint8)); labels = jax.numpy.asarray(rng.integers(0,10,B,np.int32))
-train = jax.jit(functools.partial(steps.train_step, graphdef), donate_argnums=0)
-key = jax.random.PRNGKey(0)
-comp = train.lower(state, images, labels, key).compile()
+config, comp, (state, images, labels, key) = compiled_train_step()
 print('temp MB', comp.memory_analysis().temp_size_in_bytes/1e6)
 state, m = comp(state, images, labels, key); jax.block_until_ready(state)
 for i in range(int(__import__("os").environ.get("NSTEPS", "4"))):

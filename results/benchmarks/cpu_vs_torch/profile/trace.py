@@ -1,17 +1,8 @@
-import sys, functools, numpy as np, jax, glob, gzip, json, collections
-from experiments import benchmark
-from capsjax.training import state as state_lib
-spec = sys.argv[1]; B = int(sys.argv[2])
-config = benchmark.configure(spec, batch_size=B)
-model = state_lib.create_model(config, seed=0)
-opt = state_lib.make_optimizer(config)
-graphdef, state = state_lib.init_train_state(model, opt)
-steps = benchmark.make_steps(config, opt, 'float32')
-rng = np.random.default_rng(0); shape = benchmark.image_shape(config)
-images = jax.numpy.asarray(rng.integers(0,256,(B,)+shape,np.uint8)); labels = jax.numpy.asarray(rng.integers(0,10,B,np.int32))
-train = jax.jit(functools.partial(steps.train_step, graphdef), donate_argnums=0)
-key = jax.random.PRNGKey(0)
-comp = train.lower(state, images, labels, key).compile()
+import os, sys, numpy as np, jax, glob, gzip, json, collections
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_step import compiled_train_step
+spec = sys.argv[1]
+config, comp, (state, images, labels, key) = compiled_train_step()
 open('/tmp/capsjax_profile/hlo.txt','w').write(comp.as_text())
 for _ in range(2):
     state, m = comp(state, images, labels, key); jax.block_until_ready(state)
