@@ -24,7 +24,7 @@ w = jnp.ones((4096, 16), jnp.float32)
 # A 64 MB temporary (the transposed sine) between input and output.
 step = jax.jit(lambda x, w: jnp.sum(jnp.sin(x).T @ w))
 faults = []
-for _ in range(12):
+for _ in range(40):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   jax.block_until_ready(step(x, w))
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -48,14 +48,14 @@ def test_retained_memory_is_not_faulted_in_again_on_later_calls():
   off = _probe('0')
   assert off['status'].startswith('off'), off
   # glibc's default maps and unmaps such a block on every call.
-  assert min(off['faults'][-8:]) > pages_of_one_temporary // 2, off
+  assert min(off['faults'][-16:]) > pages_of_one_temporary // 2, off
   on = _probe('1')
   assert on['status'].startswith('applied'), on
-  # Retained, the temporary mostly reuses pages already mapped. glibc
-  # takes a few calls to hold a free block that fits XLA's aligned request,
-  # and now and then maps a new one: 0-2 of the last 8 calls faulted in
-  # the block in five probes.
-  assert sum(on['faults'][-8:]) < 0.5 * sum(off['faults'][-8:]), (on, off)
+  # Retained, the temporary reuses pages already mapped once glibc holds
+  # free blocks that fit XLA's aligned request: the heap grew by the block
+  # on 4-7 of the first 15 calls and on 0-1 of calls 25-40 in five probes
+  # here (and on 5 of calls 5-12 in one CI run, hence the 40 calls).
+  assert sum(on['faults'][-16:]) < 0.25 * sum(off['faults'][-16:]), (on, off)
 
 
 def test_too_late_once_the_backend_has_started(monkeypatch):
