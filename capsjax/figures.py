@@ -557,23 +557,33 @@ def pair_predictions_figure(images: ArrayLike, labels: ArrayLike,
                             scores: dict[str, ArrayLike],
                             path: str | os.PathLike | None = None, *,
                             threshold: float = 0.5, columns: int = 4,
-                            class_names: Sequence[str] | None = None):
+                            class_names: Sequence[str] | None = None,
+                            blank: ArrayLike | None = None, field: int = 14,
+                            stride: int = 2):
   """Two-digit inputs with each model's two highest scores (Su, seed 004).
 
   Under each image, one line per model: its two top classes and their
   scores, green when they are the two true classes and both above
   ``threshold``, orange when only the classes are right, red otherwise.
+  With ``blank`` (``data.blank_fields``), a red dot marks the centre of each
+  ``field`` x ``field`` window (at ``stride``) that holds no ink.
 
   Args:
-    images: [N, H, W, C] inputs in [0, 1] (28x56 pairs).
+    images: [N, H, W, C] inputs in [0, 1] (56x28 or 28x56 pairs).
     labels: int [N, 2], the true classes.
     scores: model name -> [N, K] class scores.
+    blank: optional bool [N, h, w], the blank windows.
   """
   images = _as_float_images(images)
   labels = np.asarray(labels)
   if images.ndim != 4 or labels.shape != (len(images), 2):
     raise ValueError(f'images must be [N, H, W, C] and labels [N, 2], got '
                      f'shapes {images.shape} and {labels.shape}.')
+  if blank is not None:
+    blank = np.asarray(blank, bool)
+    if blank.ndim != 3 or len(blank) != len(images):
+      raise ValueError(f'blank must be [{len(images)}, h, w], got shape '
+                       f'{blank.shape}.')
   scores = {name: np.asarray(s) for name, s in scores.items()}
   for name, s in scores.items():
     if s.ndim != 2 or len(s) != len(images):
@@ -588,8 +598,14 @@ def pair_predictions_figure(images: ArrayLike, labels: ArrayLike,
   for n, ax in enumerate(axes.flat[:len(images)]):
     _show_image(ax, images[n])
     truth = sorted(int(k) for k in labels[n])
-    ax.set_title('true ' + ', '.join(_class_name(k, class_names)
-                                     for k in truth), fontsize=9)
+    title = 'true ' + ', '.join(_class_name(k, class_names) for k in truth)
+    if blank is not None:
+      rows_, cols_ = np.nonzero(blank[n])
+      centre = (field - 1) / 2
+      ax.plot(cols_ * stride + centre, rows_ * stride + centre, '.',
+              color=_HIGHLIGHT, markersize=4)
+      title += f'; {len(rows_)} blank'
+    ax.set_title(title, fontsize=9)
     for line, (name, s) in enumerate(scores.items()):
       top = np.argsort(-s[n], kind='stable')[:2]
       right = sorted(top.tolist()) == truth

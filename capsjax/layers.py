@@ -6,7 +6,8 @@ Dout vector-capsule dimensions, P the side of a pose matrix (4), K a kernel
 size. Every module's docstring gives its input and output shapes.
 
 Initialisation (see each layer):
-- Convolutions: Flax's default, lecun normal kernels and zero biases.
+- Convolutions: Flax's default, lecun normal kernels and zero biases
+  (``kernel_init=glorot_uniform`` is Keras' default, for Su's models).
 - Vector capsules (Sabour et al. 2017): the official code
   (Sarasra/models, research/capsules) draws capsule transforms from TF's
   truncated normal with stddev 0.1 and sets the routing bias to 0.1;
@@ -85,6 +86,18 @@ def lecun_normal(key, shape, dtype=jnp.float32):
   return truncated_normal_init(std)(key, shape, dtype)
 
 
+def glorot_uniform(key, shape, dtype=jnp.float32):
+  """Keras' default kernel initialiser: U(-l, l), l = sqrt(6 / (fan_in + fan_out)).
+
+  For a conv kernel [K, K, Cin, Cout]: fan_in = K*K*Cin, fan_out = K*K*Cout;
+  for a dense [Din, Dout]: Din and Dout (Keras' ``_compute_fans``).
+  """
+  receptive = math.prod(shape[:-2])
+  limit = math.sqrt(6.0 / (receptive * (shape[-2] + shape[-1])))
+  return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+
+KERNEL_INITS = {'lecun_normal': lecun_normal, 'glorot_uniform': glorot_uniform}
 _default_kernel_init = lecun_normal
 
 
@@ -405,7 +418,8 @@ class SharedCapsules(nnx.Module):
   Parameters do not depend on the number of input capsules, so the layer
   accepts any I (any image size). Defaults follow Su's Keras ``Capsule``
   layer: glorot-uniform W over [Din, O*Dout], no bias; his routing variants
-  (``accumulate=False``, ``squash_constant=0.5``) are options.
+  (``accumulate=False``, ``squash_constant=0.5``, ``normalize_agreement``)
+  are options.
 
   Input [B, I, Din] (any I) -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
@@ -414,7 +428,7 @@ class SharedCapsules(nnx.Module):
                num_iterations: int = 3, *, accumulate: bool = True,
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = False, bias_init: float = OFFICIAL_BIAS_INIT,
-               rngs: nnx.Rngs):
+               normalize_agreement: bool = False, rngs: nnx.Rngs):
     for name, value in (('in_dim', in_dim), ('num_out', num_out),
                         ('out_dim', out_dim)):
       _check_positive_int(name, value)
@@ -422,6 +436,7 @@ class SharedCapsules(nnx.Module):
     self.num_iterations = num_iterations
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
+    self.normalize_agreement = normalize_agreement
     limit = math.sqrt(6.0 / (in_dim + num_out * out_dim))
     self.weights = nnx.Param(jax.random.uniform(
         rngs.params(), (num_out * in_dim * out_dim,), jnp.float32, -limit,
@@ -434,7 +449,8 @@ class SharedCapsules(nnx.Module):
     return routing.dynamic_routing(
         u_hat, self.num_iterations, accumulate=self.accumulate,
         leaky=self.leaky, squash_constant=self.squash_constant,
-        bias=None if self.bias is None else self.bias[...])
+        bias=None if self.bias is None else self.bias[...],
+        normalize_agreement=self.normalize_agreement)
 
 
 # ----------------------------------------------------------------------------

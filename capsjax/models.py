@@ -85,9 +85,9 @@ class _MLP(nnx.Module):
   """Dense layers, ReLU between them: [B, in] -> [B, widths[-1]]."""
 
   def __init__(self, in_features: int, widths: Sequence[int], *,
-               rngs: nnx.Rngs):
+               kernel_init=layers.lecun_normal, rngs: nnx.Rngs):
     sizes = (in_features,) + tuple(widths)
-    self.layers = nnx.List([nnx.Linear(a, b, kernel_init=layers.lecun_normal,
+    self.layers = nnx.List([nnx.Linear(a, b, kernel_init=kernel_init,
                                        rngs=rngs)
                             for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
 
@@ -392,21 +392,30 @@ class MatrixCapsNet(nnx.Module):
 # Su's transfer experiment (seed 004).
 
 
+def _kernel_init(name: str):
+  if name not in layers.KERNEL_INITS:
+    raise ValueError(f'kernel_init must be one of {sorted(layers.KERNEL_INITS)}'
+                     f', got {name!r}.')
+  return layers.KERNEL_INITS[name]
+
+
 class _SuTrunk(nnx.Module):
   """Su's shared trunk, Keras defaults (VALID padding, 2x2 average pool).
 
   Conv 64 3x3 ReLU, Conv 64 3x3 ReLU, AvgPool 2x2 (floor), Conv 128 3x3 ReLU,
   Conv 128 3x3 ReLU: [B, H, W, C] -> [B, (H-4)//2 - 4, (W-4)//2 - 4, 128]
-  (28x28 -> 8x8, 28x56 -> 8x22). Inputs need H, W >= 14.
+  (28x28 -> 8x8, 56x28 -> 22x8). Inputs need H, W >= 14. Each output
+  position sees a 14x14 window of the input, at stride 2.
   """
 
   def __init__(self, in_channels: int, widths: Sequence[int], *,
-               rngs: nnx.Rngs):
+               kernel_init=layers.glorot_uniform, rngs: nnx.Rngs):
     widths = _check_widths('trunk_widths', widths)
     if len(widths) != 4:
       raise ValueError(f'trunk_widths needs 4 entries, got {widths!r}.')
     sizes = (in_channels,) + widths
-    self.convs = nnx.List([layers.Conv2D(a, b, 3, rngs=rngs)
+    self.convs = nnx.List([layers.Conv2D(a, b, 3, kernel_init=kernel_init,
+                                         rngs=rngs)
                            for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -425,19 +434,24 @@ class _SuTrunk(nnx.Module):
 class TwoDigitBaseline(nnx.Module):
   """Su's CNN baseline: trunk, global average pool, Dense 128 ReLU, Dense K.
 
-  Any input size >= 14x14 with the same parameters. Returns
-  {'scores': [B, K]} (sigmoid: K independent binary problems).
+  Any input size >= 14x14 with the same parameters. Kernels are Keras'
+  default glorot uniform, as Su's (``kernel_init='lecun_normal'``: Flax's).
+  Returns {'scores': [B, K]} (sigmoid: K independent binary problems).
   """
 
   def __init__(self, *, input_channels: int = 1, num_classes: int = 10,
                trunk_widths: Sequence[int] = (64, 64, 128, 128),
-               hidden_width: int = 128, rngs: nnx.Rngs):
+               hidden_width: int = 128, kernel_init: str = 'glorot_uniform',
+               rngs: nnx.Rngs):
     _check_positive_int('input_channels', input_channels)
     _check_positive_int('num_classes', num_classes)
     _check_positive_int('hidden_width', hidden_width)
+    init = _kernel_init(kernel_init)
     self.input_channels = input_channels
-    self.trunk = _SuTrunk(input_channels, trunk_widths, rngs=rngs)
-    self.head = _MLP(trunk_widths[-1], (hidden_width, num_classes), rngs=rngs)
+    self.trunk = _SuTrunk(input_channels, trunk_widths, kernel_init=init,
+                          rngs=rngs)
+    self.head = _MLP(trunk_widths[-1], (hidden_width, num_classes),
+                     kernel_init=init, rngs=rngs)
 
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
@@ -454,7 +468,9 @@ class TwoDigitCapsNet(nnx.Module):
   (Su's ``Reshape((-1, 128))``) and routed by a SharedCapsules layer to K
   capsules of 16-D; score = length. Routing defaults follow Su's Keras code:
   non-accumulating updates (``accumulate=False``), squash constant 0.5, no
-  bias. Any input size >= 14x14 with the same parameters.
+  bias, and his later agreement with s / |s| (``normalize_agreement=True``;
+  False is his blog's agreement with squash(s)). Trunk kernels are Keras'
+  glorot uniform, as Su's. Any input size >= 14x14 with the same parameters.
 
   Returns {'scores': [B, K], 'capsules': [B, K, capsule_dim],
   'coupling': [B, h*w, K]}.
@@ -465,17 +481,19 @@ class TwoDigitCapsNet(nnx.Module):
                capsule_dim: int = 16, num_iterations: int = 3,
                accumulate: bool = False, leaky: bool = False,
                squash_constant: float = 0.5, use_bias: bool = False,
-               rngs: nnx.Rngs):
+               normalize_agreement: bool = True,
+               kernel_init: str = 'glorot_uniform', rngs: nnx.Rngs):
     for name, value in (('input_channels', input_channels),
                         ('num_classes', num_classes),
                         ('capsule_dim', capsule_dim)):
       _check_positive_int(name, value)
     self.input_channels = input_channels
-    self.trunk = _SuTrunk(input_channels, trunk_widths, rngs=rngs)
+    self.trunk = _SuTrunk(input_channels, trunk_widths,
+                          kernel_init=_kernel_init(kernel_init), rngs=rngs)
     self.capsules = layers.SharedCapsules(
         trunk_widths[-1], num_classes, capsule_dim, num_iterations,
         accumulate=accumulate, leaky=leaky, squash_constant=squash_constant,
-        use_bias=use_bias, rngs=rngs)
+        use_bias=use_bias, normalize_agreement=normalize_agreement, rngs=rngs)
 
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:

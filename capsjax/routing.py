@@ -124,15 +124,21 @@ def coupling_coefficients(logits: ArrayLike, *, leaky: bool = False
   return jnp.exp(logits - log_total)
 
 
-def _route_votes(votes: jax.Array, coupling: jax.Array,
-                 bias: jax.Array | None, squash_constant: float) -> jax.Array:
-  """v_j = squash(sum_i c_ij u_hat_j|i [+ bias_j]): [..., I, O, D] -> [..., O, D]."""
+def _weighted_sum(votes: jax.Array, coupling: jax.Array,
+                  bias: jax.Array | None) -> jax.Array:
+  """s_j = sum_i c_ij u_hat_j|i [+ bias_j]: [..., I, O, D] -> [..., O, D]."""
   s = jnp.einsum('...io,...iod->...od', coupling, votes)
   if bias is not None:
     # Explicit broadcast: a bias shared over the batch ([O, D]) must not rely
     # on implicit rank promotion (tests run with jax_numpy_rank_promotion=raise).
     s = s + jnp.broadcast_to(bias, s.shape)
-  return squash(s, constant=squash_constant)
+  return s
+
+
+def _unit(s: jax.Array) -> jax.Array:
+  """s / |s| (0 at s = 0, finite gradient): [..., D] -> [..., D]."""
+  return s * jax.lax.rsqrt(jnp.sum(jnp.square(s), axis=-1, keepdims=True) +
+                           NORM_EPSILON)
 
 
 def dynamic_routing(
@@ -143,13 +149,15 @@ def dynamic_routing(
     leaky: bool = False,
     squash_constant: float = 1.0,
     bias: ArrayLike | None = None,
+    normalize_agreement: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Routing by agreement (Sabour et al. 2017, Procedure 1).
 
       b = 0
       repeat num_iterations times:
-        c = softmax_O(b); v = squash(sum_i c u_hat [+ bias])
-        b = b + <u_hat, v>     (accumulate=False: b = <u_hat, v>)
+        c = softmax_O(b); s = sum_i c u_hat [+ bias]; v = squash(s)
+        b = b + <u_hat, v>     (accumulate=False: b = <u_hat, v>;
+                                normalize_agreement: s / |s| in place of v)
 
   The logit update after the last iteration is not computed (it would not be
   used). Gradients flow through every iteration, as in the official code.
@@ -164,6 +172,12 @@ def dynamic_routing(
     squash_constant: the constant in |s|^2 / (constant + |s|^2).
     bias: optional [..., O, D] (broadcastable) added to s before the squash,
       as the official code's learned bias.
+    normalize_agreement: measure agreement against the unit vector s / |s|
+      instead of v = squash(s), so that the logits do not depend on the
+      lengths of the outputs; only the final s is squashed. With
+      ``accumulate=False`` and ``squash_constant=0.5`` this is Su's later
+      routing (bojone/Capsule, March 2018), for which he reports about 95%
+      against 91% in the two-digit transfer test.
   Returns:
     (outputs, coupling): outputs [..., O, D] = v after the last iteration, in
     the votes' dtype; coupling [..., I, O] = the c that produced ``outputs``
@@ -179,10 +193,15 @@ def dynamic_routing(
   # Everything in the votes' compute dtype, so the loop carry keeps one dtype.
   bias32 = None if bias is None else jnp.asarray(bias, votes32.dtype)
 
+  def agreement_target(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(v = squash(s), the vector the votes agree with): [..., O, D] each."""
+    outputs = squash(s, constant=squash_constant)
+    return outputs, _unit(s) if normalize_agreement else outputs
+
   def step(_, state: DynamicRoutingState) -> DynamicRoutingState:
     coupling = coupling_coefficients(state.logits, leaky=leaky)
-    outputs = _route_votes(votes32, coupling, bias32, squash_constant)
-    agreement = jnp.einsum('...iod,...od->...io', votes32, outputs)
+    outputs, target = agreement_target(_weighted_sum(votes32, coupling, bias32))
+    agreement = jnp.einsum('...iod,...od->...io', votes32, target)
     logits = state.logits + agreement if accumulate else agreement
     return DynamicRoutingState(logits, outputs)
 
@@ -193,17 +212,18 @@ def dynamic_routing(
   # per [B, I, O] softmax here (BENCHMARKS.md).
   uniform = 1.0 / (num_out + int(leaky))
   coupling = jnp.full(batch_shape + (num_in, num_out), uniform, votes32.dtype)
-  outputs = _route_votes(votes32, coupling, bias32, squash_constant)
+  outputs, target = agreement_target(_weighted_sum(votes32, coupling, bias32))
   if num_iterations == 1:
     return outputs.astype(out_dtype), coupling
   # b = 0 + <u_hat, v> in both update rules. The loop carry has the compute
   # dtype (float64 under jax_enable_x64).
   state = DynamicRoutingState(
-      jnp.einsum('...iod,...od->...io', votes32, outputs), outputs)
+      jnp.einsum('...iod,...od->...io', votes32, target), outputs)
   state = jax.lax.fori_loop(0, num_iterations - 2, step, state,
                             unroll=UNROLL_ITERATIONS)
   coupling = coupling_coefficients(state.logits, leaky=leaky)
-  outputs = _route_votes(votes32, coupling, bias32, squash_constant)
+  outputs = squash(_weighted_sum(votes32, coupling, bias32),
+                   constant=squash_constant)
   return outputs.astype(out_dtype), coupling
 
 

@@ -36,8 +36,9 @@ _DATA_DIR = flags.DEFINE_string(
     'data_dir', None, "Dataset directory (default: the run's config.data_dir, "
     'then the usual search).')
 _WHICH = flags.DEFINE_enum(
-    'which', 'best', ['best', 'latest'], "Checkpoint: 'best' (selected on "
-    "validation) or 'latest'.")
+    'which', 'selected', ['selected', 'best', 'latest'],
+    "Checkpoint: 'selected' (the tested one), 'best' (of validation "
+    "accuracy) or 'latest'.")
 
 
 def make_figures() -> None:

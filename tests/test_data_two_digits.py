@@ -1,11 +1,13 @@
-"""Su's side-by-side pairs: halves, classes, coverage, determinism."""
+"""Su's digit pairs (stacked and side by side): halves, classes, coverage,
+determinism; blank receptive fields against a direct count."""
 
 
 import numpy as np
 import pytest
 
+from capsjax.data import blank_fields
+from capsjax.data import digit_pairs
 from capsjax.data import load_dataset
-from capsjax.data import side_by_side_pairs
 from capsjax.data.idx import REPO_ROOT
 from tests.conftest import needs_mnist
 
@@ -29,26 +31,37 @@ def _source_ids(halves):
   return halves[:, 0, 0, 0].astype(int) * 251 + halves[:, 1, 1, 0] - 1
 
 
-def test_halves_are_the_source_digits(blocks):
+@pytest.mark.parametrize('layout', ['stacked', 'side_by_side'])
+def test_halves_are_the_source_digits(blocks, layout):
   images, labels = blocks
-  pairs = side_by_side_pairs(images, labels, seed=3)
+  pairs = digit_pairs(images, labels, seed=3, layout=layout)
   m = len(pairs['labels'])
-  assert pairs['image'].shape == (m, 8, 12, 1)
+  stacked = layout == 'stacked'
+  assert pairs['image'].shape == ((m, 16, 6, 1) if stacked else (m, 8, 12, 1))
   assert pairs['image'].dtype == np.uint8
   assert pairs['labels'].shape == (m, 2) and pairs['labels'].dtype == np.int32
   assert pairs['indices'].shape == (m, 2)
-  left, right = pairs['indices'].T
-  np.testing.assert_array_equal(pairs['image'][:, :, :6], images[left])
-  np.testing.assert_array_equal(pairs['image'][:, :, 6:], images[right])
-  np.testing.assert_array_equal(_source_ids(pairs['image'][:, :, :6]), left)
-  np.testing.assert_array_equal(_source_ids(pairs['image'][:, :, 6:]), right)
-  np.testing.assert_array_equal(pairs['labels'][:, 0], labels[left])
-  np.testing.assert_array_equal(pairs['labels'][:, 1], labels[right])
+  first, second = pairs['indices'].T
+  halves = ((pairs['image'][:, :8], pairs['image'][:, 8:]) if stacked else
+            (pairs['image'][:, :, :6], pairs['image'][:, :, 6:]))
+  np.testing.assert_array_equal(halves[0], images[first])
+  np.testing.assert_array_equal(halves[1], images[second])
+  np.testing.assert_array_equal(_source_ids(halves[0]), first)
+  np.testing.assert_array_equal(_source_ids(halves[1]), second)
+  np.testing.assert_array_equal(pairs['labels'][:, 0], labels[first])
+  np.testing.assert_array_equal(pairs['labels'][:, 1], labels[second])
+
+
+def test_both_layouts_pair_the_same_digits(blocks):
+  stacked = digit_pairs(*blocks, seed=5)
+  side = digit_pairs(*blocks, seed=5, layout='side_by_side')
+  np.testing.assert_array_equal(stacked['indices'], side['indices'])
+  np.testing.assert_array_equal(stacked['labels'], side['labels'])
 
 
 def test_classes_differ_and_every_differing_pair_is_kept(blocks):
   images, labels = blocks
-  pairs = side_by_side_pairs(images, labels, seed=3)
+  pairs = digit_pairs(images, labels, seed=3)
   left, right = pairs['indices'].T
   assert np.all(pairs['labels'][:, 0] != pairs['labels'][:, 1])
   # Each digit on the left at most once and on the right at most once, left
@@ -68,9 +81,9 @@ def test_classes_differ_and_every_differing_pair_is_kept(blocks):
 
 
 def test_deterministic_by_seed(blocks):
-  a = side_by_side_pairs(*blocks, seed=0)
-  b = side_by_side_pairs(*blocks, seed=0)
-  c = side_by_side_pairs(*blocks, seed=1)
+  a = digit_pairs(*blocks, seed=0)
+  b = digit_pairs(*blocks, seed=0)
+  c = digit_pairs(*blocks, seed=1)
   for key in a:
     np.testing.assert_array_equal(a[key], b[key])
   assert not np.array_equal(a['indices'][:20], c['indices'][:20])
@@ -79,17 +92,59 @@ def test_deterministic_by_seed(blocks):
 def test_bad_shapes(blocks):
   images, labels = blocks
   with pytest.raises(ValueError, match=r'images must be \[N, H, W, C\]'):
-    side_by_side_pairs(images[..., 0], labels, 0)
+    digit_pairs(images[..., 0], labels, 0)
   with pytest.raises(ValueError, match=r'labels must be \[N\]'):
-    side_by_side_pairs(images, labels[:-1], 0)
+    digit_pairs(images, labels[:-1], 0)
+  with pytest.raises(ValueError, match='layout must be one of'):
+    digit_pairs(images, labels, 0, layout='diagonal')
+  with pytest.raises(ValueError, match='H, W >= 14'):
+    blank_fields(images)
 
 
 @needs_mnist
-def test_mnist_test_split_gives_about_9000_pairs_of_28x56():
+def test_mnist_test_split_gives_about_9000_pairs_of_56x28():
   test = load_dataset('mnist', data_dir=MNIST_DIR, validation_size=0).test
-  pairs = side_by_side_pairs(test.images, test.labels, seed=0)
-  assert pairs['image'].shape[1:] == (28, 56, 1)
+  pairs = digit_pairs(test.images, test.labels, seed=0)
+  assert pairs['image'].shape[1:] == (56, 28, 1)
   # 1 - sum_k p_k^2 of MNIST's test classes: 0.900.
   p = np.bincount(test.labels) / len(test.labels)
   expected = (1 - np.sum(p ** 2)) * len(test.labels)
   assert abs(len(pairs['labels']) - expected) < 150, len(pairs['labels'])
+
+
+def _np_blank_fields(images, field, stride):
+  """Window by window."""
+  m, h, w, _ = images.shape
+  rows = range(0, h - field + 1, stride)
+  cols = range(0, w - field + 1, stride)
+  return np.array([[[not np.any(images[k, r:r + field, c:c + field] > 0)
+                     for c in cols] for r in rows] for k in range(m)])
+
+
+def test_blank_fields_match_a_window_by_window_count():
+  rng = np.random.default_rng(0)
+  # Sparse ink, so that both blank and inked windows occur.
+  images = (rng.random((6, 31, 20, 2)) > 0.997).astype(np.uint8) * 200
+  for field, stride in ((14, 2), (5, 3), (1, 1)):
+    blank = blank_fields(images, field, stride)
+    expected = _np_blank_fields(images, field, stride)
+    assert blank.shape == expected.shape
+    np.testing.assert_array_equal(blank, expected)
+    if field > 1:
+      assert 0 < blank.mean() < 1, (field, blank.mean())
+
+
+@needs_mnist
+def test_side_by_side_pairs_leave_far_more_blank_fields_than_stacked():
+  """The reason side by side is harder (issue #13): Su's trunk (14x14
+  windows at stride 2) sees blank windows between the digits."""
+  test = load_dataset('mnist', data_dir=MNIST_DIR, validation_size=0).test
+  per_layout = {}
+  for layout in ('stacked', 'side_by_side'):
+    pairs = digit_pairs(test.images[:2000], test.labels[:2000], 0, layout)
+    blank = blank_fields(pairs['image'])
+    assert blank.shape[1:] == ((22, 8) if layout == 'stacked' else (8, 22))
+    per_layout[layout] = blank.reshape(len(blank), -1)
+  stacked, side = per_layout['stacked'], per_layout['side_by_side']
+  assert side.sum(1).mean() > 5 * stacked.sum(1).mean()
+  assert side.any(1).mean() > 0.6 > 0.3 > stacked.any(1).mean()

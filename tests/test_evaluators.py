@@ -128,18 +128,19 @@ def test_two_digit_pairs_counts_both_classes_of_each_pair(tmp_path):
       model=model, config=config, workdir=str(tmp_path),
       evaluate_split=None, eval_inputs=None,
       load_dataset=lambda: data_lib.Dataset(test, test, test, 10, 'mnist'))
-  result = two_digit_pairs.evaluate(context, num_pairs=25,
-                                    confidence_threshold=0.3)
-  # Direct: the pairs of seed 3, both classes among the two top scores.
-  pairs = data_lib.side_by_side_pairs(test.images, test.labels, 3)
-  images = pairs['image'][:25].astype(np.float32) / 255.0
-  scores = np.asarray(model(images, train=False)['scores'])
-  right = conftest.np_both_in_top2(scores, pairs['labels'][:25])
-  second = np.sort(scores, -1)[:, -2]
-  assert result['num_pairs'] == 25
-  assert result['top2'] == pytest.approx(np.mean(right))
-  assert result['top2_confident'] == pytest.approx(
-      np.mean(right & (second > 0.3)))
+  for layout in ('stacked', 'side_by_side'):
+    result = two_digit_pairs.evaluate(context, num_pairs=25,
+                                      confidence_threshold=0.3, layout=layout)
+    # Direct: the pairs of seed 3, both classes among the two top scores.
+    pairs = data_lib.digit_pairs(test.images, test.labels, 3, layout)
+    images = pairs['image'][:25].astype(np.float32) / 255.0
+    scores = np.asarray(model(images, train=False)['scores'])
+    right = conftest.np_both_in_top2(scores, pairs['labels'][:25])
+    second = np.sort(scores, -1)[:, -2]
+    assert result['num_pairs'] == 25 and result['layout'] == layout
+    assert result['top2'] == pytest.approx(np.mean(right))
+    assert result['top2_confident'] == pytest.approx(
+        np.mean(right & (second > 0.3)))
 
 
 def test_affine_evaluator_reads_the_affnist_test_files(tmp_path):
@@ -176,6 +177,8 @@ def test_bad_evals_fail_before_any_training(tmp_path):
       ({'x': dict(type='affine', source='affnist',
                   directory=str(tmp_path / 'none'))}, FileNotFoundError,
        'no such affNIST'),
+      ({'x': dict(type='two_digit_pairs', layout='diagonal')}, ValueError,
+       'layout must be one of'),
       ({'x': dict(type='two_digit_pairs', num_pairs=-1)}, ValueError,
        'num_pairs'),
   )

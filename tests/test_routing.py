@@ -54,8 +54,10 @@ def np_coupling(logits, leaky=False, axis=-1):
 
 
 def np_dynamic_routing(votes, num_iterations, accumulate=True, leaky=False,
-                       squash_constant=1.0, bias=None, coupling_axis=-1):
-  """SPEC section 2. coupling_axis=-2 is the softmax-over-inputs bug."""
+                       squash_constant=1.0, bias=None, coupling_axis=-1,
+                       normalize_agreement=False):
+  """SPEC section 2. coupling_axis=-2 is the softmax-over-inputs bug;
+  normalize_agreement: the logits agree with s / |s|, not squash(s)."""
   votes = np.asarray(votes, np.float64)
   logits = np.zeros(votes.shape[:-1])
   for r in range(num_iterations):
@@ -65,9 +67,37 @@ def np_dynamic_routing(votes, num_iterations, accumulate=True, leaky=False,
       s = s + bias
     outputs = np_squash(s, squash_constant)
     if r < num_iterations - 1:
-      agreement = np.einsum('...iod,...od->...io', votes, outputs)
+      target = (s / np.linalg.norm(s, axis=-1, keepdims=True)
+                if normalize_agreement else outputs)
+      agreement = np.einsum('...iod,...od->...io', votes, target)
       logits = logits + agreement if accumulate else agreement
   return outputs, coupling
+
+
+def np_su_2018_routing(votes, routings):
+  """Su's later Capsule layer (bojone/Capsule, Capsule_Keras.py, March 2018),
+  transcribed loop for loop in his layout: u_hat [B, O, I, D], b [B, O, I].
+
+      b = 0
+      for i in range(routings):
+        c = softmax(b, axis=1)                  # over the output capsules
+        o = einsum('bin,binj->bij', c, u_hat)   # [B, O, D]
+        if i < routings - 1:
+          o = l2_normalize(o, -1); b = einsum('bij,binj->bin', o, u_hat)
+      return squashing(o)   # |o|^2 + eps: sqrt(n) / (0.5 + n) * o
+
+  Returns the outputs [B, O, D] and the last c in our layout [B, I, O].
+  """
+  u_hat = np.moveaxis(np.asarray(votes, np.float64), -3, -2)
+  b = np.zeros(u_hat.shape[:-1])
+  for i in range(routings):
+    c = np_softmax(b, axis=1)
+    o = np.einsum('bin,binj->bij', c, u_hat)
+    if i < routings - 1:
+      o = o / np.sqrt(np.maximum(np.sum(o * o, -1, keepdims=True), 1e-12))
+      b = np.einsum('bij,binj->bin', o, u_hat)
+  squared = np.sum(o * o, -1, keepdims=True) + 1e-7  # Keras' K.epsilon()
+  return np.sqrt(squared) / (0.5 + squared) * o, np.moveaxis(c, 1, 2)
 
 
 def np_em_routing(votes, activations, beta_u, beta_a, num_iterations,
@@ -323,14 +353,16 @@ def test_dynamic_routing_matches_reference(index):
       assert np.max(np.abs(coupling - 1.0 / DIMS.O)) > 1e-2
 
 
-# Covers every pair of option values (2^4 combinations would compile 16 times).
+# (accumulate, leaky, squash_constant, with_bias, normalize_agreement): covers
+# every pair of option values (2^5 combinations would compile 32 times).
 DYNAMIC_VARIANTS = [
-    (True, True, 1.0, True),
-    (True, False, 0.5, False),
-    (False, True, 0.5, False),
-    (False, False, 1.0, True),
-    (False, True, 1.0, False),
-    (True, False, 0.5, True),
+    (True, True, 1.0, True, False),
+    (True, False, 0.5, False, True),
+    (False, True, 0.5, False, False),
+    (False, False, 1.0, True, True),
+    (False, True, 1.0, False, True),
+    (True, False, 0.5, True, False),
+    (False, False, 0.5, False, True),
 ]
 
 
@@ -344,8 +376,9 @@ def dynamic_variants():
   def run(votes, bias):
     return [routing.dynamic_routing(
         votes, 3, accumulate=accumulate, leaky=leaky,
-        squash_constant=squash_constant, bias=bias if with_bias else None)
-            for accumulate, leaky, squash_constant, with_bias
+        squash_constant=squash_constant, bias=bias if with_bias else None,
+        normalize_agreement=normalize)
+            for accumulate, leaky, squash_constant, with_bias, normalize
             in DYNAMIC_VARIANTS]
 
   return votes, bias, run(votes, bias)
@@ -353,12 +386,14 @@ def dynamic_variants():
 
 @pytest.mark.parametrize('index', range(len(DYNAMIC_VARIANTS)))
 def test_dynamic_routing_variants_match_reference(index):
-  accumulate, leaky, squash_constant, with_bias = DYNAMIC_VARIANTS[index]
+  accumulate, leaky, squash_constant, with_bias, normalize = (
+      DYNAMIC_VARIANTS[index])
   votes, bias, results = dynamic_variants()
   bias = bias if with_bias else None
   outputs, coupling = results[index]
   options = dict(accumulate=accumulate, leaky=leaky,
-                 squash_constant=squash_constant)
+                 squash_constant=squash_constant,
+                 normalize_agreement=normalize)
   ref = np_dynamic_routing(votes, 3, bias=bias, **options)
   chex.assert_trees_all_close((outputs, coupling), ref, rtol=RTOL, atol=ATOL)
   # The options matter on these inputs, so the comparison is not vacuous.
@@ -370,6 +405,22 @@ def test_dynamic_routing_variants_match_reference(index):
     assert np.all(totals < 1.0) and np.all(totals > 0.0)
   else:
     np.testing.assert_allclose(totals, 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize('num_iterations', [1, 2, 3, 5])
+def test_normalized_agreement_is_su_2018_routing(num_iterations):
+  votes = random_votes(9, (DIMS.B,))
+  outputs, coupling = jax.jit(functools.partial(
+      routing.dynamic_routing, num_iterations=num_iterations,
+      accumulate=False, squash_constant=0.5, normalize_agreement=True))(votes)
+  ref = np_su_2018_routing(votes, num_iterations)
+  chex.assert_trees_all_close((outputs, coupling), ref, rtol=RTOL, atol=ATOL)
+  # Different from the blog's routing (agreement with squash(s)) when the
+  # logits are updated at all.
+  blog, _ = np_dynamic_routing(votes, num_iterations, accumulate=False,
+                               squash_constant=0.5)
+  difference = np.max(np.abs(ref[0] - blog))
+  assert difference > 1e-3 if num_iterations > 1 else difference < 1e-6
 
 
 def test_dynamic_routing_catches_softmax_over_inputs():

@@ -142,6 +142,21 @@ def test_learning_rate_schedule_matches_official_decay():
   assert float(schedule(3000)) == pytest.approx(1e-3 * 0.96 ** 1.5, rel=1e-5)
 
 
+@pytest.mark.parametrize('epsilon', [1e-8, 1e-7, 1e-2])
+def test_adam_step_against_numpy(epsilon):
+  """First Adam step: lr * m_hat / (sqrt(v_hat) + eps) = lr * g / (|g| + eps)."""
+  config = ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, lr_decay_steps=2000, lr_decay_rate=1.0,
+      adam_epsilon=epsilon))
+  optimizer = state_lib.make_optimizer(config)
+  grads = np.array([1e-6, -3e-7, 0.5, 0.0], np.float32)
+  params = np.zeros(4, np.float32)
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  g = grads.astype(np.float64)
+  np.testing.assert_allclose(updates, -1e-3 * g / (np.abs(g) + epsilon),
+                             rtol=1e-5, atol=1e-12)
+
+
 def test_batch_size_must_divide_devices():
   mesh = sharding.make_mesh()
   sharding.check_batch_size(mesh.size * 4, mesh)

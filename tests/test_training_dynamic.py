@@ -317,6 +317,31 @@ def test_kill_plan_is_seeded_and_covers_a_kill_before_rename():
     assert all(s % 2 == 0 for k, s in plan if k != 'train')
 
 
+def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
+  """``select_on_validation=False`` (Su's protocol): validation is watched,
+  the last state is tested and reported, and no 'best' copy is kept."""
+  workdir = str(tmp_path / 'work')
+  config = _tiny_config(tiny_mnist, select_on_validation=False, adam_epsilon=1e-7)
+  summary = dynamic.train_and_evaluate(config, workdir)
+  assert summary['selected_step'] == summary['steps'] == TINY['num_train_steps']
+  records = [json.loads(line) for line in open(f'{workdir}/metrics.jsonl')]
+  last_validation = [r for r in records if 'validation/accuracy' in r][-1]
+  assert summary['validation']['step'] == last_validation['step'] == 12
+  assert summary['validation']['accuracy'] == last_validation[
+      'validation/accuracy']
+  with pytest.raises(FileNotFoundError, match='no checkpoint'):
+    checkpoints.load_trained_model(workdir, 'best')
+  test = data_lib.load_dataset('mnist', data_dir=tiny_mnist,
+                               validation_size=TINY['validation_size']).test
+  model = checkpoints.load_trained_model(workdir)  # 'selected': the latest
+  lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
+                             train=False)['lengths'])
+  assert summary['test']['accuracy'] == pytest.approx(
+      np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
+  with pytest.raises(ValueError, match="which must be 'selected'"):
+    checkpoints.load_trained_model(workdir, 'final')
+
+
 def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
     tmp_path, tiny_mnist):
   """NaN images at step 5 (``debug_poison_step``): the run stops naming step

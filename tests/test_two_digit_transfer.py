@@ -86,22 +86,58 @@ def test_predict_scores_matches_the_model_for_any_batch(name):
         rtol=1e-5, atol=1e-6)
 
 
-def test_model_config_merges_head_options():
+def test_run_config_is_su_protocol():
   config = two_digit_transfer.get_config()
-  capsnet = two_digit_transfer_experiment.model_config(config, 'two_digit_capsnet')
-  baseline = two_digit_transfer_experiment.model_config(config, 'two_digit_baseline')
-  assert capsnet.model == 'two_digit_capsnet'
-  assert capsnet.model_options.to_dict() == {
-      'trunk_widths': (64, 64, 128, 128), 'capsule_dim': 16,
-      'num_iterations': 3}
+  runs = {name: two_digit_transfer_experiment.run_config(config, name, 55_000)
+          for name in config.models}
+  capsnet, blog = runs['two_digit_capsnet'], runs['two_digit_capsnet_blog_routing']
+  baseline = runs['two_digit_baseline']
+  assert capsnet.model == blog.model == 'two_digit_capsnet'
+  capsules = {'trunk_widths': (64, 64, 128, 128), 'capsule_dim': 16,
+              'num_iterations': 3, 'accumulate': False, 'squash_constant': 0.5}
+  assert capsnet.model_options.to_dict() == dict(capsules,
+                                                 normalize_agreement=True)
+  assert blog.model_options.to_dict() == dict(capsules,
+                                              normalize_agreement=False)
   assert baseline.model_options.to_dict() == {
       'trunk_widths': (64, 64, 128, 128), 'hidden_width': 128}
   assert config.model_options.to_dict() == {'trunk_widths': (64, 64, 128, 128)}
+  # 10 and 20 epochs of 55,000 digits at batch 128, Keras' Adam, last weights.
+  assert capsnet.num_train_steps == blog.num_train_steps == 4297
+  assert baseline.num_train_steps == 8594
+  assert (config.batch_size, config.learning_rate, config.lr_decay_rate,
+          config.adam_epsilon, config.max_shift) == (128, 1e-3, 1.0, 1e-7, 0)
+  assert not config.select_on_validation
+  assert config.evals.pairs.layout == 'stacked'
+  assert config.evals.side_by_side.layout == 'side_by_side'
   # Full-size models: Su's "about 270K parameters" each.
   for cfg, count in ((baseline, 276_810), (capsnet, 279_488)):
     model = models.create_model(cfg.model, rngs=nnx.Rngs(0),
                                 **cfg.model_options.to_dict())
     assert models.count_params(model) == count
+
+
+def test_su_models_start_from_keras_glorot_uniform():
+  model = models.create_model('two_digit_baseline', rngs=nnx.Rngs(0))
+  for conv in model.trunk.convs:
+    k, _, cin, cout = conv.kernel.shape
+    limit = np.sqrt(6.0 / (k * k * (cin + cout)))
+    kernel = np.asarray(conv.kernel[...])
+    assert np.abs(kernel).max() <= limit
+    # Uniform on [-l, l]: std l / sqrt(3) (lecun normal would give 1/sqrt(fan_in)).
+    np.testing.assert_allclose(kernel.std(), limit / np.sqrt(3), rtol=0.05)
+    np.testing.assert_array_equal(conv.bias[...], 0.0)
+  dense = model.head.layers[0].kernel[...]
+  limit = np.sqrt(6.0 / sum(dense.shape))
+  assert np.abs(dense).max() <= limit
+  np.testing.assert_allclose(np.std(dense), limit / np.sqrt(3), rtol=0.05)
+  flax_init = models.create_model('two_digit_baseline', rngs=nnx.Rngs(0),
+                                  kernel_init='lecun_normal')
+  std = float(np.std(flax_init.trunk.convs[0].kernel[...]))
+  assert std == pytest.approx(1 / 3, rel=0.1)  # 1 / sqrt(9 inputs)
+  with pytest.raises(ValueError, match='kernel_init must be one of'):
+    models.create_model('two_digit_capsnet', rngs=nnx.Rngs(0),
+                        kernel_init='he')
 
 
 def test_bad_variant_and_models_are_clear_errors(tmp_path):
@@ -110,6 +146,11 @@ def test_bad_variant_and_models_are_clear_errors(tmp_path):
   config = two_digit_transfer.get_config('smoke')
   config.models = ('capsnet',)
   with pytest.raises(ValueError, match='config.models'):
+    two_digit_transfer_experiment.train_and_evaluate(config, str(tmp_path))
+  config.models = ('two_digit_capsnet',)
+  config.runs.two_digit_capsnet.num_train_steps = 0
+  config.runs.two_digit_capsnet.num_epochs = 0
+  with pytest.raises(ValueError, match='num_epochs > 0 or num_train_steps'):
     two_digit_transfer_experiment.train_and_evaluate(config, str(tmp_path))
 
 
@@ -149,25 +190,38 @@ def test_smoke_run_writes_summary_and_figure(tmp_path):
   summary = json.load(open(workdir / 'summary.json'))
   assert summary['num_pairs'] == 200
   print(json.dumps(summary['models'], indent=1))
-  for name in ('two_digit_baseline', 'two_digit_capsnet'):
+  config = two_digit_transfer.get_config('smoke')
+  test = data_lib.load_dataset('mnist', data_dir=mnist_dir,
+                               validation_size=0).test
+  assert set(summary['models']) == set(config.models) == {
+      'two_digit_baseline', 'two_digit_capsnet',
+      'two_digit_capsnet_blog_routing'}
+  for name in config.models:
     row = summary['models'][name]
-    assert 0.0 <= row['pair_top2_confident_accuracy'] <= (
-        row['pair_top2_accuracy']) <= 1.0
-    assert 0.0 <= row['test_accuracy'] <= 1.0 and row['steps'] == 20
+    assert row['steps'] == 20 and row['selected_step'] == 20  # last weights
     # 20 steps barely learn (single digits 0.11-0.16): instead of a learning
-    # threshold, the pair accuracy is recounted from the saved model on the
-    # run's pairs, top 2 taken here with NumPy.
-    model = training.load_trained_model(str(workdir / name), 'best')
-    test = data_lib.load_dataset('mnist', data_dir=mnist_dir,
-                                 validation_size=0).test
-    pairs = two_digit_pairs.test_pairs(
-        test, two_digit_transfer.get_config('smoke').seed, 200)
-    scores = np.asarray(models.class_scores(model(
-        pairs['image'].astype(np.float32) / 255.0, train=False)))
-    both = conftest.np_both_in_top2(scores, pairs['labels'])
-    assert row['pair_top2_accuracy'] == pytest.approx(np.mean(both),
-                                                      abs=1e-9), name
+    # threshold, both pair accuracies are recounted from the saved model on
+    # the run's pairs, top 2 taken here with NumPy.
+    model = training.load_trained_model(str(workdir / name))
+    for layout, record in (('stacked', row), ('side_by_side',
+                                              row['side_by_side'])):
+      pairs = two_digit_pairs.test_pairs(test, config.evals.pairs.seed, 200,
+                                         layout)
+      assert pairs['image'].shape[1:3] == ((56, 28) if layout == 'stacked'
+                                           else (28, 56))
+      scores = np.asarray(models.class_scores(model(
+          pairs['image'].astype(np.float32) / 255.0, train=False)))
+      both = conftest.np_both_in_top2(scores, pairs['labels'])
+      confident = both & (np.sort(scores, 1)[:, -2] > 0.5)
+      assert record['pair_top2_accuracy'] == pytest.approx(
+          np.mean(both), abs=1e-9), (name, layout)
+      assert record['pair_top2_confident_accuracy'] == pytest.approx(
+          np.mean(confident), abs=1e-9), (name, layout)
     assert os.path.exists(workdir / name / 'summary.json')
     assert name in summary['reported']
-  with open(workdir / 'pairs.png', 'rb') as f:
-    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  blank = summary['blank_fields']
+  assert blank['side_by_side']['mean_per_pair'] > blank['stacked'][
+      'mean_per_pair']
+  for figure in ('pairs.png', 'pairs_side_by_side.png'):
+    with open(workdir / figure, 'rb') as f:
+      assert f.read(8) == b'\x89PNG\r\n\x1a\n'

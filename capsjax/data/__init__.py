@@ -25,15 +25,20 @@ from capsjax.data.smallnorb import smallnorb_eval_preprocess
 from capsjax.data.smallnorb import smallnorb_multicrop
 from capsjax.data.smallnorb import smallnorb_train_preprocess
 from capsjax.data.smallnorb import write_norb_matrix
-from capsjax.data.two_digits import side_by_side_pairs
+from capsjax.data.two_digits import PAIR_LAYOUTS
+from capsjax.data.two_digits import blank_fields
+from capsjax.data.two_digits import digit_pairs
 
 __all__ = (
+    'PAIR_LAYOUTS',
     'DataError',
     'Dataset',
     'Split',
     'affine_mnist',
     'affnist_files',
+    'blank_fields',
     'center_crop',
+    'digit_pairs',
     'load_affnist',
     'load_dataset',
     'multimnist_batch',
@@ -43,7 +48,6 @@ __all__ = (
     'read_idx',
     'read_norb_matrix',
     'shift',
-    'side_by_side_pairs',
     'smallnorb_eval_preprocess',
     'smallnorb_multicrop',
     'smallnorb_train_preprocess',

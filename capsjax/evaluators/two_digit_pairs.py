@@ -1,10 +1,13 @@
 """Su's two-digit transfer test (seed 004, SPEC section 3).
 
     config.evals.pairs = dict(type='two_digit_pairs', num_pairs=0)
+    config.evals.side_by_side = dict(type='two_digit_pairs',
+                                     layout='side_by_side')
 
 A model trained on single MNIST digits is shown two different test digits
-side by side (28x56, ``data.side_by_side_pairs`` with the run's seed, or
-``seed``) and asked to name both. Su's two accuracies (``pair_accuracies``):
+in one image, stacked as Su's code joins them (56x28) or side by side
+(28x56, harder), ``data.digit_pairs`` with the run's seed or ``seed``, and
+asked to name both. Su's two accuracies (``pair_accuracies``):
 a pair counts when the two highest scores are its two classes ('top2',
 accuracy 1), and when moreover both of those scores exceed
 ``confidence_threshold`` ('top2_confident', accuracy 2). He reports about
@@ -76,18 +79,19 @@ def predict_scores(model: nnx.Module, images: ArrayLike,
   return np.concatenate(chunks)[:num]
 
 
-def test_pairs(test: data_lib.Split, seed: int, num_pairs: int = 0
-               ) -> dict[str, np.ndarray]:
-  """The pairs of ``data.side_by_side_pairs``, the first ``num_pairs`` (0:
-  all, about 9,000 of the MNIST test split)."""
-  pairs = data_lib.side_by_side_pairs(test.images, test.labels, seed)
+def test_pairs(test: data_lib.Split, seed: int, num_pairs: int = 0,
+               layout: str = 'stacked') -> dict[str, np.ndarray]:
+  """The pairs of ``data.digit_pairs``, the first ``num_pairs`` (0: all,
+  about 9,000 of the MNIST test split)."""
+  pairs = data_lib.digit_pairs(test.images, test.labels, seed, layout)
   if num_pairs:
     pairs = {k: v[:num_pairs] for k, v in pairs.items()}
   return pairs
 
 
 def check(config, *, num_pairs: int = 0, seed: int | None = None,
-          confidence_threshold: float = 0.5, batch_size: int = 500) -> None:
+          confidence_threshold: float = 0.5, layout: str = 'stacked',
+          batch_size: int = 500) -> None:
   del seed, batch_size
   if config.dataset != 'mnist':
     raise ValueError(f"Su's test is on MNIST digits; config.dataset is "
@@ -97,20 +101,25 @@ def check(config, *, num_pairs: int = 0, seed: int | None = None,
   if not 0 <= confidence_threshold < 1:
     raise ValueError(f'confidence_threshold must be in [0, 1), got '
                      f'{confidence_threshold!r}.')
+  if layout not in data_lib.PAIR_LAYOUTS:
+    raise ValueError(f'two_digit_pairs: layout must be one of '
+                     f'{data_lib.PAIR_LAYOUTS}, got {layout!r}.')
 
 
 def evaluate(context: evaluators.Context, *, num_pairs: int = 0,
              seed: int | None = None, confidence_threshold: float = 0.5,
-             batch_size: int = 500) -> dict[str, Any]:
-  """{'top2', 'top2_confident'} accuracies over the pairs, 'num_pairs' and
-  'eval_s'; the pairs are drawn with ``seed`` (None: the run's seed)."""
+             layout: str = 'stacked', batch_size: int = 500
+             ) -> dict[str, Any]:
+  """{'top2', 'top2_confident'} accuracies over the pairs, 'num_pairs',
+  'layout' and 'eval_s'; the pairs are drawn with ``seed`` (None: the run's
+  seed)."""
   seed = context.config.seed if seed is None else seed
-  pairs = test_pairs(context.dataset.test, seed, num_pairs)
+  pairs = test_pairs(context.dataset.test, seed, num_pairs, layout)
   start = time.perf_counter()
   scores = predict_scores(context.model, pairs['image'], batch_size)
   correct = jax.device_get(pair_accuracies(scores, pairs['labels'],
                                            confidence_threshold))
   return {'top2': float(np.mean(correct['top2'])),
           'top2_confident': float(np.mean(correct['top2_confident'])),
-          'num_pairs': int(len(pairs['labels'])),
+          'num_pairs': int(len(pairs['labels'])), 'layout': layout,
           'eval_s': time.perf_counter() - start}

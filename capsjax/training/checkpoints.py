@@ -167,11 +167,19 @@ def read_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(json.load(f))
 
 
-def load_trained_state(workdir: str, which: str = 'best'
+def load_trained_state(workdir: str, which: str = 'selected'
                        ) -> tuple[nnx.GraphDef, TrainState]:
   """The graphdef and train state saved in ``workdir`` (its config.json and
-  checkpoint); ``which``: 'best' (selected on validation) or 'latest'."""
+  checkpoint); ``which``: 'selected' (the tested model: 'best', or 'latest'
+  when the config sets ``select_on_validation`` False), 'best' (of
+  validation accuracy) or 'latest'."""
+  if which not in ('selected', 'best', 'latest'):
+    raise ValueError(f"which must be 'selected', 'best' or 'latest', got "
+                     f'{which!r}.')
   config = read_workdir_config(workdir)
+  if which == 'selected':
+    which = 'best' if config.get('select_on_validation', True) else 'latest'
+
   try:
     model = create_model(config)
   except (AttributeError, KeyError) as e:
@@ -189,7 +197,7 @@ def load_trained_state(workdir: str, which: str = 'best'
   return graphdef, state
 
 
-def load_trained_model(workdir: str, which: str = 'best') -> nnx.Module:
+def load_trained_model(workdir: str, which: str = 'selected') -> nnx.Module:
   """The model trained in ``workdir`` (see ``load_trained_state``)."""
   graphdef, state = load_trained_state(workdir, which)
   return nnx.merge(graphdef, state.params, state.model_state)

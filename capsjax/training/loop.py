@@ -62,7 +62,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key in _POSITIVE_INT_KEYS:
     if not is_int(config[key]) or config[key] < 1:
       fail(key, 'a positive int')
-  for key in ('learning_rate', 'lr_decay_rate'):
+  for key in ('learning_rate', 'lr_decay_rate', 'adam_epsilon'):
+    if key not in config:
+      continue
     if isinstance(config[key], bool) or not (
         isinstance(config[key], int | float) and
         np.isfinite(config[key]) and config[key] > 0):
@@ -231,21 +233,28 @@ class _Run:
                     self.config.eval_batch_size, self.mesh, images)
 
   def validate(self, writer) -> dict[str, float]:
-    """Validation metrics; a new best is saved as the selected model."""
+    """Validation metrics; a new best is saved as the selected model (with
+    ``config.select_on_validation`` False the record follows the latest
+    state, which is the one tested)."""
     val = self.evaluate(self.dataset.validation, self.validation_images)
     if val:
       writer.write(self.step, {f'validation/{k}': v for k, v in val.items()})
-      if self.best_record is None or val['accuracy'] > self.best_record[
-          'accuracy']:
+      selecting = self.config.get('select_on_validation', True)
+      if not selecting or self.best_record is None or (
+          val['accuracy'] > self.best_record['accuracy']):
         self.best_record = {'step': self.step, **val}
-        self.best.save(self.state)
+        if selecting:
+          self.best.save(self.state)
         if self.chief:
           metrics_lib.write_json_atomic(self.best_record_path,
                                         self.best_record)
     return val
 
   def select_best(self) -> None:
-    """Model selection on validation only (the latest state without it)."""
+    """Model selection on validation only (the latest state without it, or
+    with ``config.select_on_validation`` False: the last weights)."""
+    if not self.config.get('select_on_validation', True):
+      return
     if self.best_record is not None and self.best.latest_step() is not None:
       self.state = self.best.restore(self.state)
 

@@ -36,11 +36,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   return family(config).train_and_evaluate(config, workdir)
 
 
-def load_context(workdir: str, which: str = 'best',
+def load_context(workdir: str, which: str = 'selected',
                  data_dir: str | None = None) -> evaluators.Context:
-  """The model trained in ``workdir`` (``which``: 'best', selected on
-  validation, or 'latest'), ready for ``evaluators``; ``data_dir``
-  overrides the run's ``config.data_dir``."""
+  """The model trained in ``workdir`` (``which``: see
+  ``checkpoints.load_trained_state``), ready for ``evaluators``;
+  ``data_dir`` overrides the run's ``config.data_dir``."""
   config = checkpoints.read_workdir_config(workdir)
   if data_dir:
     config.data_dir = data_dir

@@ -46,7 +46,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 def make_optimizer(config: ml_collections.ConfigDict
                    ) -> optax.GradientTransformation:
-  return optax.adam(learning_rate_schedule(config))
+  return optax.adam(learning_rate_schedule(config),
+                    eps=config.get('adam_epsilon', 1e-8))
 
 
 # ----------------------------------------------------------------------------

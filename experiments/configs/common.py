@@ -20,10 +20,15 @@ def base_config() -> ml_collections.ConfigDict:
   config.learning_rate = 1e-3
   config.lr_decay_steps = 2000
   config.lr_decay_rate = 0.96
+  # Adam's epsilon: optax's 1e-8 (TF's and Keras' is 1e-7).
+  config.adam_epsilon = 1e-8
   config.max_shift = 2
   config.log_every_steps = 100
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000
+  # Test the state of the best validation accuracy (True) or the last one
+  # (False: validation is then only watched, as in Su's protocol).
+  config.select_on_validation = True
   # Stop early after this many seconds of training steps (compilation,
   # evaluation and checkpoints not counted; 0: no limit).
   config.max_train_seconds = 0
