@@ -7,6 +7,7 @@ with status 2; set CAPSJAX_TRACEBACK=1 to see the full traceback.
 """
 
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -27,7 +28,9 @@ def run_command(argv: list[str], body: Callable[[], None],
   Rejects stray arguments, keeps absl's INFO logging (orbax logs every save
   and restore) off unless -v is given, makes glibc keep the memory XLA:CPU
   frees (``training.host_memory``: before JAX starts its backend), and turns
-  ``errors`` into one ``error: ...`` line and exit status 2.
+  ``errors`` into one ``error: ...`` line and exit status 2, and SIGINT or
+  SIGTERM into one line and exit status 130 or 143 (a training run saves
+  its checkpoint first).
   """
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -35,8 +38,14 @@ def run_command(argv: list[str], body: Callable[[], None],
     logging.set_verbosity(logging.WARNING)
   from capsjax.training import host_memory  # imports jax: after the flags
   logging.info('host memory: %s', host_memory.retain_freed_memory())
+  from capsjax.training import loop
   try:
     body()
+  except loop.TrainingStopped as e:  # its one line is printed already
+    sys.exit(e.exit_code)
+  except KeyboardInterrupt:  # outside the training steps: nothing to save
+    print('interrupted; rerun the same command to resume', file=sys.stderr)
+    sys.exit(130)
   except errors as e:
     if os.environ.get('CAPSJAX_TRACEBACK') == '1':
       raise
@@ -103,13 +112,60 @@ def _define_distributed_flags() -> dict[str, flags.FlagHolder]:
   }
 
 
+def _key_comments(path: str) -> dict[str, str]:
+  """``config.KEY = ...`` lines of a config file -> the comment lines just
+  above them, joined (the key's meaning where the file gives one)."""
+  meanings, comment = {}, []
+  with open(path) as f:
+    for line in f:
+      stripped = line.strip()
+      match = re.match(r'config\.([\w.]+)\s*=', stripped)
+      if stripped.startswith('#'):
+        comment.append(stripped.lstrip('# '))
+        continue
+      if match and comment:
+        meanings.setdefault(match.group(1), ' '.join(comment))
+      comment = []
+  return meanings
+
+
+def config_description(config, config_file: str) -> str:
+  """The config file's docstring, then every key with its value (overrides
+  applied) and its meaning where a comment in the config files gives one."""
+  import ast
+  import json
+  with open(config_file) as f:
+    doc = ast.get_docstring(ast.parse(f.read())) or ''
+  meanings = _key_comments(os.path.join(CONFIG_DIR, 'common.py'))
+  meanings.update(_key_comments(config_file))
+  lines = [doc, '', f'Keys of {config_file} (override with '
+           f'--config.KEY=VALUE):']
+
+  def walk(tree, prefix=''):
+    for key, value in tree.items():
+      if isinstance(value, dict) and value:
+        walk(value, f'{prefix}{key}.')
+        continue
+      name = prefix + key
+      meaning = meanings.get(name, '')
+      lines.append(f'  {name} = {json.dumps(value)}' +
+                   (f'  # {meaning}' if meaning else ''))
+
+  walk(json.loads(config.to_json_best_effort()))
+  return '\n'.join(lines)
+
+
 def run(train_and_evaluate: Callable, default_config: str, *,
         workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
         'and summary.json; rerun with the same one to resume.') -> None:
   """Define --workdir and --config (default ``configs/<default_config>``), run."""
   workdir = flags.DEFINE_string(
-      'workdir', None, workdir_help, required=True,
+      'workdir', None, f'Required. {workdir_help}',
       module_name=sys.argv[0])  # --help lists the main module's flags
+  config_help = flags.DEFINE_bool(
+      'config_help', False, "Print the config's keys with their values and "
+      'meanings (after any --config.KEY=VALUE overrides) and exit.',
+      module_name=sys.argv[0])
   try:
     # ml_collections reads --config.KEY=VALUE overrides here already: an
     # unknown KEY raises now, before app.run parses the flags.
@@ -126,6 +182,15 @@ def run(train_and_evaluate: Callable, default_config: str, *,
   distributed = _define_distributed_flags()
 
   def main(argv):
+    if config_help.value:
+      print(config_description(config.value, config_flags.get_config_filename(
+          flags.FLAGS['config'])))
+      return
+    if not workdir.value:
+      usage_error(ValueError('--workdir is required: the directory for this '
+                             "run's checkpoints and results (rerun with the "
+                             'same one to resume).'))
+
     def body():
       if distributed['distributed'].value:
         from capsjax.training import sharding  # imports jax: after flags

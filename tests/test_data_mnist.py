@@ -134,7 +134,8 @@ def test_missing_explicit_dir_lists_places(tmp_path):
   assert str(missing) in message and str(missing / 'mnist') in message
   assert 'train-images-idx3-ubyte[.gz]' in message
   for way in ('--config.data_dir', idx_lib.DATA_DIR_ENV,
-              'pip install capsjax[tfds]'):
+              "pip install 'capsjax[tfds]'", "pip install -e '.[tfds]'",
+              'published at http://yann.lecun.com/exdb/mnist/'):
     assert way in message
 
 
@@ -150,11 +151,12 @@ def test_nothing_found_and_no_tfds(tmp_path, monkeypatch, no_tfds):
                 tmp_path / 'shared' / 'data' / 'fashion-mnist'):
     assert str(place) in message, place
   assert 'tensorflow-datasets is not installed' in message
-  assert 'pip install capsjax[tfds]' in message
+  assert "pip install -e '.[tfds]'" in message
+  assert 'https://github.com/zalandoresearch/fashion-mnist' in message
 
 
 def test_tfds_source_without_tfds(no_tfds):
-  with pytest.raises(ImportError, match=r'pip install capsjax\[tfds\]'):
+  with pytest.raises(ImportError, match=r"pip install -e '\.\[tfds\]'"):
     load_dataset('mnist', source='tfds')
 
 

@@ -1,11 +1,14 @@
 """Tests of the shared training utilities (no model family needed)."""
 
 import errno
+import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +158,26 @@ def test_adam_step_against_numpy(epsilon):
   g = grads.astype(np.float64)
   np.testing.assert_allclose(updates, -1e-3 * g / (np.abs(g) + epsilon),
                              rtol=1e-5, atol=1e-12)
+
+
+def test_progress_bar_shows_rate_and_eta_between_logs(monkeypatch):
+  """Steps advance the bar before any log line: step/s, img/s and the ETA."""
+  terminal = io.StringIO()
+  terminal.isatty = lambda: True
+  monkeypatch.setattr(sys, 'stderr', terminal)
+  monkeypatch.delenv('CAPSJAX_NO_PROGRESS', raising=False)
+  with metrics_lib.Progress(1000, 0, batch_size=32) as progress:
+    progress._bar.mininterval = 0  # redraw at every step
+    for step in range(1, 6):
+      time.sleep(0.02)
+      progress.advance(step)
+    drawn = terminal.getvalue().split('\r')[-1]
+  assert '5/1000' in drawn, drawn
+  rate = float(re.search(r'([\d.]+)step/s', drawn).group(1))
+  assert 5 < rate < 100, drawn  # about 50 steps/s
+  images_per_s = float(re.search(r'img/s=(\d+)', drawn).group(1))
+  assert images_per_s == pytest.approx(32 * rate, rel=0.1), drawn
+  assert re.search(r'<\d+:\d+', drawn), drawn  # the ETA
 
 
 def test_batch_size_must_divide_devices():

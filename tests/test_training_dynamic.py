@@ -7,9 +7,11 @@ SIGKILL must resume and end with the parameters of an uninterrupted run.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -340,6 +342,125 @@ def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
       np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
   with pytest.raises(ValueError, match="which must be 'selected'"):
     checkpoints.load_trained_model(workdir, 'final')
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
+                                                        signum):
+  """Ctrl-C or a scheduler's SIGTERM: a checkpoint of the current step, one
+  line, exit 128 + signal; a rerun resumes there."""
+  workdir = tmp_path / 'work'
+  config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
+  # Checkpoints every 1000 steps only: the saved step is the stop's.
+  flags = _tiny_flags(tiny_mnist, num_train_steps=100_000,
+                      checkpoint_every_steps=1000, eval_every_steps=1000,
+                      log_every_steps=1)
+  proc = _launch(workdir, config, *flags)
+  metrics = workdir / 'metrics.jsonl'
+  deadline = time.monotonic() + 300
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    assert proc.poll() is None and time.monotonic() < deadline, (
+        proc.communicate()[0])
+    time.sleep(0.2)
+  proc.send_signal(signum)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signum, out
+  lines = out.strip().splitlines()
+  assert f'Starting fresh in {workdir}.' in lines, out
+  assert 'Traceback' not in out, out
+  match = re.fullmatch(rf'stopped at step (\d+), checkpoint saved in '
+                       rf'{re.escape(str(workdir))}; rerun the same command '
+                       rf'to resume', lines[-1])
+  assert match, lines[-1]
+  step = int(match.group(1))
+  assert step >= 3
+  assert checkpoints.Checkpointer(str(workdir / 'checkpoints')).latest_step(
+  ) == step
+  assert not (workdir / 'summary.json').exists()
+  resumed = _launch(workdir, config, *_tiny_flags(
+      tiny_mnist, num_train_steps=step + 2, checkpoint_every_steps=1000,
+      eval_every_steps=1000))
+  out, _ = resumed.communicate(timeout=300)
+  assert resumed.returncode == 0, out
+  assert f'Resuming from the checkpoint of step {step} in {workdir}.' in out
+  assert json.load(open(workdir / 'summary.json'))['steps'] == step + 2
+
+
+def test_checkpoints_also_by_wall_time(tmp_path, tiny_mnist):
+  """checkpoint_every_seconds: saved between the step-count checkpoints."""
+  workdir = tmp_path / 'work'
+  config = _tiny_config(tiny_mnist, checkpoint_every_steps=1000,
+                        eval_every_steps=1000, num_train_steps=7,
+                        checkpoint_every_seconds=1e-6)
+  dynamic.train_and_evaluate(config, str(workdir))
+  saved = checkpoints.Checkpointer(str(workdir / 'checkpoints'))
+  # Every step is past the time limit; the last 2 are kept.
+  assert sorted(saved._manager.all_steps()) == [6, 7]
+  config.checkpoint_every_seconds = -1.0
+  with pytest.raises(ValueError, match='checkpoint_every_seconds'):
+    dynamic.train_and_evaluate(config, str(tmp_path / 'other'))
+
+
+def test_a_long_run_says_how_long_and_what_is_shorter(monkeypatch):
+  config = capsnet_mnist.get_config()
+  estimate = loop._Estimate(config, 0)
+  clock = [100.0]
+  monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock[0])
+  estimate.start(1)
+  clock[0] += 5.0
+  assert estimate.line(11) is None  # measured for too short a time
+  clock[0] += 15.0  # 20 s for 20 steps of batch 128: 128 img/s
+  line = estimate.line(21)
+  remaining_h = (config.num_train_steps - 21) * 1.0 / 3600
+  assert line.startswith(f'The remaining {config.num_train_steps - 21} steps '
+                         f'take about {remaining_h:.0f} h at 128 img/s on '), line
+  assert 'a checkpoint every 10 min and at Ctrl-C' in line
+  assert line.endswith('Shorter: --config=experiments/configs/capsnet_mnist.py'
+                       ':smoke trains a reduced CapsNet to about 98% in 2-3 '
+                       'minutes of training on a 2-core CPU.'), line
+  assert estimate.line(40) is None  # said once
+  short = loop._Estimate(capsnet_mnist.get_config('smoke'), 0)
+  short.start(1)
+  clock[0] += 20.0
+  assert short.line(300) is None  # 150 more steps: not long
+
+
+def test_rerun_with_another_config_is_checked_before_anything_is_written(
+    tmp_path, tiny_mnist, capsys):
+  workdir = tmp_path / 'work'
+  dynamic.train_and_evaluate(
+      _tiny_config(tiny_mnist, num_train_steps=4), str(workdir))
+  stored = (workdir / 'config.json').read_bytes()
+  files = sorted(p.relative_to(workdir) for p in workdir.rglob('*'))
+  other_model = _tiny_config(tiny_mnist, num_train_steps=4)
+  other_model.model_options.conv1_channels = 16
+  with pytest.raises(ValueError, match=(
+      r'holds a checkpoint of another model: model_options.conv1_channels 8 '
+      r'-> 16 .*Nothing was written. Use another --workdir')):
+    dynamic.train_and_evaluate(other_model, str(workdir))
+  assert (workdir / 'config.json').read_bytes() == stored
+  assert sorted(p.relative_to(workdir) for p in workdir.rglob('*')) == files
+  capsys.readouterr()
+  # More steps: accepted and said; another learning rate: a warning.
+  longer = _tiny_config(tiny_mnist, num_train_steps=6, learning_rate=5e-3)
+  summary = dynamic.train_and_evaluate(longer, str(workdir))
+  out = capsys.readouterr().out
+  assert 'Changed from the stored config: num_train_steps 4 -> 6.' in out, out
+  assert ('Warning: resuming with values that differ from the stored config '
+          '(the run is then no longer one protocol): learning_rate 0.002 -> '
+          '0.005.') in out, out
+  assert 'Resuming from the checkpoint of step 4' in out
+  assert summary['steps'] == 6
+
+
+def test_unwritable_workdir_names_it_and_the_fix(tmp_path, tiny_mnist):
+  blocker = tmp_path / 'file'
+  blocker.write_text('not a directory')
+  workdir = blocker / 'work'
+  with pytest.raises(OSError, match=(
+      rf'cannot write to the workdir {re.escape(str(workdir))} \(.*\); '
+      r'choose a --workdir you can write to')):
+    dynamic.train_and_evaluate(_tiny_config(tiny_mnist), str(workdir))
 
 
 def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(

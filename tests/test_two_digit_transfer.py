@@ -163,8 +163,20 @@ def _run(*args):
 def test_help_and_bad_flags():
   result = _run('--help')
   assert result.returncode in (0, 1), result.stderr
-  for text in ('--workdir', '--config', 'accuracy 2'):
+  for text in ('--workdir', 'Required.', '--config', '--[no]config_help',
+               'accuracy 2'):
     assert text in result.stdout, text
+  result = _run('--config_help', '--config.batch_size=64')
+  assert result.returncode == 0, result.stderr
+  for text in ("Su's protocol", 'batch_size = 64', 'select_on_validation = '
+               'false  # Test the state of the best validation accuracy',
+               'runs.two_digit_capsnet.model_options.normalize_agreement = '
+               'true'):
+    assert text in result.stdout, text
+  result = _run()
+  assert result.returncode == 2
+  assert result.stderr.strip().startswith('error: --workdir is required'), (
+      result.stderr)
   for bad in ('--bogus=1', '--config.no_such_key=1',
               '--config.evals.pairs.bogus=1', '--config.batchsize=32',
               '--config=experiments/configs/two_digit_transfer.py:nope'):

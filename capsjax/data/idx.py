@@ -254,9 +254,20 @@ def search_dirs(places: Sequence[Place],
   return None
 
 
+# Where each dataset's original files are published.
+SOURCES = {
+    'MNIST': 'http://yann.lecun.com/exdb/mnist/',
+    'Fashion-MNIST': 'https://github.com/zalandoresearch/fashion-mnist',
+    'smallNORB': 'https://cs.nyu.edu/~ylclab/data/norb-v1.0-small/',
+}
+# tensorflow-datasets, from PyPI or from a source checkout of capsjax.
+TFDS_INSTALL = "pip install 'capsjax[tfds]' (from a checkout: pip install -e '.[tfds]')"
+
+
 def not_found_message(what: str, places: Sequence[Place], files: str,
                       subdir: str, *, tfds_tried: bool) -> str:
-  """Lists every place looked at and every way to provide the files.
+  """Lists every place looked at, where the files are published and every
+  way to provide them.
 
   ``tfds_tried``: the message adds that tensorflow-datasets is not installed.
   """
@@ -273,8 +284,9 @@ def not_found_message(what: str, places: Sequence[Place], files: str,
       f'holding the files or a {subdir}/ subdirectory with them;\n'
       f'  - export {DATA_DIR_ENV}=/path (same layout);\n'
       '  - put them in ../shared/data/' + subdir + '/ beside the repository;\n'
-      '  - pip install capsjax[tfds] to download them through TensorFlow '
-      'Datasets.')
+      f'  - {TFDS_INSTALL} to download them through TensorFlow Datasets.'
+      + (f'\nThe original files are published at {SOURCES[what]}.'
+         if what in SOURCES else ''))
 
 
 def import_tfds(name: str):
@@ -284,7 +296,7 @@ def import_tfds(name: str):
   except ImportError as e:
     raise ImportError(
         f"source='tfds' for {name!r} needs tensorflow-datasets, which is not "
-        'installed: pip install capsjax[tfds]. Or use local files: '
+        f'installed: {TFDS_INSTALL}. Or use local files: '
         f"source='local' with data_dir=... (--config.data_dir) or "
         f'${DATA_DIR_ENV}.') from e
   return tfds

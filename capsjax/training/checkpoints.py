@@ -126,6 +126,13 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  @staticmethod
+  def exists(directory: str) -> bool:
+    """Whether ``directory`` holds a committed checkpoint (orbax names each
+    finished step's directory by the step alone), without opening it."""
+    return os.path.isdir(directory) and any(
+        name.isdigit() for name in os.listdir(directory))
+
   def save(self, state: TrainState) -> None:
     step = int(state.step)
     if step in self._manager.all_steps():

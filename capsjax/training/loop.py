@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -42,6 +44,65 @@ class TrainingDiverged(RuntimeError):
   """The loss or a gradient became NaN or inf; the last good state is kept."""
 
 
+class TrainingStopped(KeyboardInterrupt):
+  """SIGINT or SIGTERM stopped training; the state of ``step`` was saved."""
+
+  def __init__(self, signum: int, step: int, workdir: str):
+    super().__init__(f'stopped at step {step}, checkpoint saved in {workdir}; '
+                     f'rerun the same command to resume')
+    self.signum, self.step = signum, step
+
+  @property
+  def exit_code(self) -> int:
+    return 128 + self.signum  # the shell's code for death by that signal
+
+
+class _StopSignals:
+  """SIGINT and SIGTERM (a scheduler's warning before preemption) become a
+  request that the loop sees between steps; a second one stops at once.
+  Only the main thread can install handlers; elsewhere this does nothing."""
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous = {}
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.signum is not None:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+  def __enter__(self) -> _StopSignals:
+    if threading.current_thread() is threading.main_thread():
+      for signum in (signal.SIGINT, signal.SIGTERM):
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+
+def _make_writable_dir(workdir: str) -> None:
+  """Creates ``workdir``; OSError naming it and the fix when it cannot be
+  created or written to."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f'.write_test.{os.getpid()}')
+    with open(probe, 'w'):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise OSError(f'cannot write to the workdir {workdir} ({e.strerror or e}); '
+                  f'choose a --workdir you can write to.') from e
+
+
+def _hours(seconds: float) -> str:
+  if seconds >= 5400:
+    return f'{seconds / 3600:.0f} h'
+  return f'{max(seconds / 60, 1):.0f} min'
+
+
 _POSITIVE_INT_KEYS = ('batch_size', 'eval_batch_size', 'num_train_steps',
                       'log_every_steps', 'eval_every_steps',
                       'checkpoint_every_steps', 'lr_decay_steps')
@@ -72,8 +133,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key in ('seed', 'max_shift'):
     if key in config and (not is_int(config[key]) or config[key] < 0):
       fail(key, 'an int >= 0')
-  if config.get('max_train_seconds') and not config.max_train_seconds > 0:
-    fail('max_train_seconds', '> 0 (or 0: no limit)')
+  for key in ('max_train_seconds', 'checkpoint_every_seconds'):
+    if config.get(key) and not config[key] > 0:
+      fail(key, '> 0 (or 0: no limit)')
   if config.get('target_accuracy') and not 0 < config.target_accuracy <= 1:
     fail('target_accuracy', 'in (0, 1] (or 0: train all steps)')
   if config.get('center_crop'):
@@ -130,6 +192,100 @@ class _TrainClock:
     return window
 
 
+# Keys whose change leaves a workdir's checkpoint usable and its run the same
+# (how long, how often, what is evaluated after); a change of the model, its
+# options or the dataset makes the checkpoint unusable; any other change
+# (batch size, learning rate, ...) is allowed with a warning.
+_SAFE_CHANGES = ('num_train_steps', 'log_every_steps', 'eval_every_steps',
+                 'checkpoint_every_steps', 'checkpoint_every_seconds',
+                 'max_train_seconds', 'target_accuracy', 'eval_batch_size',
+                 'data_dir', 'num_devices', 'evals', 'shorter_run',
+                 'select_on_validation', 'debug_poison_step', 'models', 'runs',
+                 'figure_pairs')
+_UNUSABLE_CHANGES = ('model', 'model_options', 'dataset')
+
+
+def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if isinstance(tree, dict):
+    out = {}
+    for key, value in tree.items():
+      out.update(_flat(value, f'{prefix}{key}.'))
+    return out
+  return {prefix[:-1]: tuple(tree) if isinstance(tree, list) else tree}
+
+
+def config_changes(config: ml_collections.ConfigDict, workdir: str
+                   ) -> tuple[str, str]:
+  """How ``config`` differs from the one stored in ``workdir`` with a
+  checkpoint: (accepted changes, changes to warn about), each '' or
+  'key old -> new; ...'. Raises ValueError, before anything is written,
+  when the checkpoint could not be loaded with ``config``."""
+  path = os.path.join(workdir, 'config.json')
+  if not (os.path.exists(path) and Checkpointer.exists(
+      os.path.join(workdir, 'checkpoints'))):
+    return '', ''
+  with open(path) as f:
+    stored = _flat(json.load(f))
+  new = _flat(json.loads(config.to_json_best_effort()))
+  changed = sorted(k for k in stored.keys() | new.keys()
+                   if stored.get(k) != new.get(k))
+  top = lambda key: key.split('.')[0]  # noqa: E731
+  describe = lambda keys: '; '.join(  # noqa: E731
+      f'{k} {stored.get(k, "(absent)")!r} -> {new.get(k, "(absent)")!r}'
+      for k in keys)
+  unusable = [k for k in changed if top(k) in _UNUSABLE_CHANGES]
+  if unusable:
+    raise ValueError(
+        f'{workdir} holds a checkpoint of another model: '
+        f'{describe(unusable)} (its config.json against this command). '
+        f'Nothing was written. Use another --workdir for this model, or '
+        f'rerun with the stored values to resume.')
+  safe = [k for k in changed if top(k) in _SAFE_CHANGES]
+  return describe(safe), describe([k for k in changed if k not in safe])
+
+
+class _Estimate:
+  """The one line, early in training, that says how long the rest takes
+  (when that is long) and what shorter run the config offers instead."""
+
+  # Say nothing when the remaining steps take less than this.
+  LONG_S = 1800.0
+  # Measure at least this long (after compilation) before estimating.
+  MEASURE_S = 10.0
+
+  def __init__(self, config: ml_collections.ConfigDict, step: int):
+    self._config = config
+    self._start_step, self._start_time, self._said = step, None, False
+
+  def start(self, step: int) -> None:
+    self._start_step, self._start_time = step, time.perf_counter()
+
+  def line(self, step: int) -> str | None:
+    """The estimate once, from the steps finished since ``start``."""
+    if self._said or self._start_time is None:
+      return None
+    seconds = time.perf_counter() - self._start_time
+    done = step - self._start_step
+    if seconds < self.MEASURE_S or done < 2:
+      return None
+    self._said = True
+    remaining = (self._config.num_train_steps - step) * seconds / done
+    if remaining < self.LONG_S:
+      return None
+    images_per_s = done * self._config.batch_size / seconds
+    device = jax.devices()[0]
+    where = ('this CPU' if device.platform == 'cpu' else
+             f'this {getattr(device, "device_kind", device.platform)}')
+    every_s = self._config.get('checkpoint_every_seconds') or 0
+    saves = (f'a checkpoint every {_hours(every_s)} and at Ctrl-C'
+             if every_s else 'a checkpoint at Ctrl-C')
+    alternative = self._config.get('shorter_run') or ''
+    return (f'The remaining {self._config.num_train_steps - step} steps take '
+            f'about {_hours(remaining)} at {images_per_s:.0f} img/s on '
+            f'{where}; {saves}, and a rerun resumes.'
+            + (f' Shorter: {alternative}' if alternative else ''))
+
+
 class _Run:
   """One training run's state and the work ``fit`` does at each step."""
 
@@ -141,6 +297,12 @@ class _Run:
     # In a multi-process run every process runs this; process 0 alone writes
     # the run's files (orbax coordinates the checkpoints itself).
     self.chief = is_chief()
+    accepted, warned = config_changes(config, workdir)
+    if accepted:
+      self.say(f'Changed from the stored config: {accepted}.')
+    if warned:
+      self.say(f'Warning: resuming with values that differ from the stored '
+               f'config (the run is then no longer one protocol): {warned}.')
     if self.chief:
       metrics_lib.save_config(config, workdir)
     self.mesh = make_mesh(config.get('num_devices') or None)
@@ -155,6 +317,8 @@ class _Run:
       self.state = self.checkpoints.restore(self.state)
       self.say(f'Resuming from the checkpoint of step {int(self.state.step)} '
                f'in {workdir}.')
+    else:
+      self.say(f'Starting fresh in {workdir}.')
     self.step = int(self.state.step)
     self.best_record_path = os.path.join(workdir, 'best_validation.json')
     self.best_record = (json.load(open(self.best_record_path))
@@ -176,6 +340,10 @@ class _Run:
   def say(self, message: str) -> None:
     if self.chief:
       print(message, flush=True)
+
+  def say_once(self, message: str | None) -> None:
+    if message:
+      self.say(message)
 
   def header(self) -> str:
     d, c = self.dataset, self.config
@@ -288,14 +456,22 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   check_config(config)
   evaluators.check(config)  # before any training: a bad option fails now
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  _make_writable_dir(workdir)
   run = _Run(config, workdir, steps, dataset)
   run.say(run.header())
   time_limit = config.get('max_train_seconds') or None
+  save_every_s = config.get('checkpoint_every_seconds') or None
   clock, compile_s = _TrainClock(), None
   due = lambda every: run.step % every == 0  # noqa: E731
+  # A stop signal is checked at every step by a single process; processes
+  # must agree on the step, so a multi-process run checks at log steps.
+  single = jax.process_count() == 1
+  last_save = time.monotonic()
+  estimate = _Estimate(config, run.step)
   with metrics_lib.MetricWriter(workdir) as writer, metrics_lib.Progress(
-      config.num_train_steps, run.step, config.batch_size) as progress:
+      config.num_train_steps, run.step, config.batch_size) as progress, \
+      _StopSignals() as stop:
+    previous = None
     while (run.step < config.num_train_steps and
            not run.reached_target(run.best_record)):
       clock.start()
@@ -307,12 +483,24 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
         compile_s = time.perf_counter() - t0
         clock.close_window()
         clock.start()
+        estimate.start(run.step)
+      elif previous is not None:
+        # One step stays in flight: the bar counts finished steps only.
+        jax.block_until_ready(previous)
+        progress.advance(run.step - 1)
+        run.say_once(estimate.line(run.step - 1))
+      previous = metrics
       last = run.step == config.num_train_steps or (
           time_limit is not None and all_agree(clock.elapsed() > time_limit))
-      if last or due(config.log_every_steps):
+      stopping = (single or due(config.log_every_steps)) and all_agree(
+          stop.signum is not None)
+      if last or stopping or due(config.log_every_steps):
         jax.block_until_ready(metrics)  # the logged window's steps are done
       clock.stop()
-      if last or due(config.log_every_steps) or due(
+      save_now = save_every_s is not None and (
+          single or due(config.log_every_steps)) and all_agree(
+              time.monotonic() - last_save > save_every_s)
+      if last or stopping or save_now or due(config.log_every_steps) or due(
           config.eval_every_steps) or due(config.checkpoint_every_steps):
         # Before anything is logged, evaluated or saved, so that no
         # checkpoint holds a state that went past a non-finite step.
@@ -325,8 +513,16 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
           run.say(f'Validation accuracy {run.best_record["accuracy"]:.4f} '
                   f'reached the target {config.target_accuracy} at step '
                   f'{run.step}; stopping.')
-      if last or due(config.checkpoint_every_steps):
+      if last or stopping or save_now or due(config.checkpoint_every_steps):
         run.checkpoints.save(run.state)
+        last_save = time.monotonic()
+      if stopping:
+        progress.close()
+        run.close()
+        stopped = TrainingStopped(stop.signum or signal.SIGINT, run.step,
+                                  workdir)
+        run.say(str(stopped))
+        raise stopped
       if last:
         break
   clock.close_window()

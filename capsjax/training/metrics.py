@@ -69,16 +69,32 @@ class Progress:
                               not is_chief()))
     self._batch_size = batch_size
     self._last_time, self._last_step = time.perf_counter(), initial
+    self._scalars: dict[str, str] = {}
 
   def update(self, step: int, scalars: Mapping[str, float]) -> float:
+    """Move to ``step`` with the logged ``scalars``; the images/s since the
+    last call."""
     now = time.perf_counter()
     images_per_s = ((step - self._last_step) * self._batch_size /
                     max(now - self._last_time, 1e-9))
     self._last_time, self._last_step = now, step
-    self._bar.set_postfix({k: f'{v:.4g}' for k, v in scalars.items()}
-                          | {'img/s': f'{images_per_s:.0f}'}, refresh=False)
+    self._scalars = {k: f'{v:.4g}' for k, v in scalars.items()}
+    self._postfix(images_per_s)
     self._bar.update(step - self._bar.n)
     return images_per_s
+
+  def advance(self, step: int) -> None:
+    """Move the bar to ``step`` (finished steps) between logs: it redraws at
+    most every half second on a terminal, with tqdm's steps/s and ETA and
+    the images/s of its smoothed rate."""
+    rate = self._bar.format_dict.get('rate')
+    if rate:
+      self._postfix(rate * self._batch_size)
+    self._bar.update(step - self._bar.n)
+
+  def _postfix(self, images_per_s: float) -> None:
+    self._bar.set_postfix(self._scalars | {'img/s': f'{images_per_s:.0f}'},
+                          refresh=False)
 
   def __enter__(self) -> Progress:
     return self

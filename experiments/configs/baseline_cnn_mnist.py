@@ -11,6 +11,7 @@ from experiments.configs import common
 
 def get_config(variant: str = ''):
   config = common.base_config()
+  config.shorter_run = common.smoke_run('baseline_cnn_mnist.py:smoke')
   config.model = 'baseline_cnn'
   config.num_train_steps = 21_500
   config.reconstruction_weight = 0.0

@@ -39,6 +39,7 @@ from experiments.configs import common
 def training_config(model: str) -> ml_collections.ConfigDict:
   """One model's training on MNIST digits placed at random on 40x40."""
   config = common.base_config()
+  config.shorter_run = common.smoke_run('capsnet_affnist.py:smoke')
   config.dataset = 'mnist'
   config.model = model
   # Random placement on the canvas replaces the +-2 pixel shift.

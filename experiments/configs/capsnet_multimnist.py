@@ -37,6 +37,7 @@ def get_config(variant: str = ''):
                      f'known: paper, baseline, cpu, smoke.')
   baseline = 'baseline' in parts
   config = common.base_config()
+  config.shorter_run = common.smoke_run('capsnet_multimnist.py:smoke')
   config.dataset = 'multimnist'
   config.model_options.input_shape = (36, 36, 1)
   if baseline:

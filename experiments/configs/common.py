@@ -26,6 +26,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 100
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000
+  # Also save a checkpoint after this many seconds since the last one (0:
+  # by steps only), so that a stop loses at most this much training.
+  config.checkpoint_every_seconds = 600.0
+  # Said with the time estimate when a run is long: a command that shows
+  # the same thing sooner (usually the config's :smoke variant).
+  config.shorter_run = ''
   # Test the state of the best validation accuracy (True) or the last one
   # (False: validation is then only watched, as in Su's protocol).
   config.select_on_validation = True
@@ -45,3 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
   # (-1: off), to check that a poisoned batch stops the run cleanly.
   config.debug_poison_step = -1
   return config
+
+
+def smoke_run(config_spec: str, what: str = 'runs a reduced model end to '
+              'end in a few minutes') -> str:
+  """The ``shorter_run`` hint: ``config_spec`` is FILE:VARIANTS in configs/."""
+  return f'--config=experiments/configs/{config_spec} {what}.'

@@ -56,6 +56,7 @@ def paper_routing(config):
 
 def get_config(variant: str = ''):
   config = em_defaults(common.base_config())
+  config.shorter_run = common.smoke_run('matrix_capsnet_mnist.py:smoke')
   config.dataset = 'mnist'
   config.max_shift = 2
   config.model_options.input_shape = (28, 28, 1)
@@ -108,6 +109,8 @@ def get_config(variant: str = ''):
       paper_routing(config)
     elif part == 'fashion':
       config.dataset = 'fashion_mnist'
+      config.shorter_run = common.smoke_run('matrix_capsnet_mnist.py:smoke,'
+                                            'fashion')
     else:
       raise ValueError(f'unknown variant {part!r} of matrix_capsnet_mnist; '
                        f'known: smoke, small, paper, fashion.')

@@ -19,6 +19,7 @@ from experiments.configs import matrix_capsnet_mnist
 
 def get_config(variant: str = ''):
   config = matrix_capsnet_mnist.em_defaults(common.base_config())
+  config.shorter_run = common.smoke_run('matrix_capsnet_smallnorb.py:smoke')
   config.dataset = 'smallnorb'
   config.validation_size = 2300
   config.max_shift = 0

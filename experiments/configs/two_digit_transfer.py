@@ -49,6 +49,7 @@ _CAPSULES = {'capsule_dim': 16, 'num_iterations': 3, 'accumulate': False,
 
 def get_config(variant: str = ''):
   config = common.base_config()
+  config.shorter_run = common.smoke_run('two_digit_transfer.py:smoke')
   config.dataset = 'mnist'
   config.models = ('two_digit_baseline', 'two_digit_capsnet',
                    'two_digit_capsnet_blog_routing')
