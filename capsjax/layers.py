@@ -689,8 +689,9 @@ def class_capsule_routing(
       (h + 0.5) / H and (w + 0.5) / W, to vote entries 0 and 1
       (``votes.coordinate_addition``).
   Returns:
-    (poses [B, O, P, P], activations [B, O] in the input poses' dtype,
-    assignments [B, H*W*Cin, O] float32), inputs ordered (row, col, type).
+    (poses [B, O, P, P] in the input poses' dtype, activations [B, O]
+    float32 (the class scores), assignments [B, H*W*Cin, O] float32), inputs
+    ordered (row, col, type).
   """
   poses, activations = jnp.asarray(poses), jnp.asarray(activations)
   weights = jnp.asarray(weights)
@@ -712,8 +713,9 @@ def class_capsule_routing(
       num_iterations=num_iterations, inverse_temperature=inverse_temperature,
       variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
       center_momentum=center_momentum, activation_form=activation_form)
+  # The class activations are the class scores: float32 (routing.em_routing).
   return (out_poses.reshape(batch, num_out, p, p).astype(out_dtype),
-          out_acts.astype(out_dtype), assignments)
+          out_acts, assignments)
 
 
 class ClassCapsules(nnx.Module):

@@ -78,7 +78,9 @@ def _check_images(images: ArrayLike, channels: int,
 
 
 def _lengths(capsules: jax.Array) -> jax.Array:
-  return routing.safe_norm(capsules, axis=-1)
+  """[..., D] -> float32 [...]: from bfloat16 capsules too, so that class
+  scores near 1 do not tie at bfloat16's spacing (2^-8 there)."""
+  return routing.safe_norm(capsules.astype(jnp.float32), axis=-1)
 
 
 class _MLP(nnx.Module):
@@ -458,7 +460,10 @@ class TwoDigitBaseline(nnx.Module):
     del labels, train
     x = self.trunk(_check_images(images, self.input_channels, None,
                                  self.trunk.convs[0].kernel.dtype))
-    return {'scores': jax.nn.sigmoid(self.head(x.mean(axis=(1, 2))))}
+    # The head in float32 (128 -> 128 -> K: cheap), so that bfloat16
+    # compute does not round the scores into ties (see _lengths).
+    pooled = x.mean(axis=(1, 2)).astype(jnp.float32)
+    return {'scores': jax.nn.sigmoid(self.head(pooled))}
 
 
 class TwoDigitCapsNet(nnx.Module):

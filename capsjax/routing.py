@@ -8,7 +8,8 @@ Everything here is a pure function of arrays: jit-able with the iteration
 count static, iterations run by ``lax.fori_loop``, correct under ``vmap`` and
 ``grad``. Inputs may be float32 or bfloat16; all routing statistics (logits,
 couplings, means, variances, costs) are kept in float32 and the outputs are
-cast back to the votes' dtype. No Flax import: layers call these functions.
+cast back to the votes' dtype (EM's activations stay float32, as class
+scores). No Flax import: layers call these functions.
 """
 
 from __future__ import annotations
@@ -421,7 +422,7 @@ def em_routing(
       less memory, more compute).
   Returns:
     (poses, out_activations, assignments): poses [..., O, D] = mu of the final
-    M-step (votes' dtype); out_activations [..., O] (votes' dtype);
+    M-step (votes' dtype); out_activations [..., O] (float32);
     assignments [..., I, O] = the R used by the final M-step before it is
     multiplied by the input activations (float32; uniform 1/O when T = 1).
   """
@@ -472,6 +473,7 @@ def em_routing(
                             unroll=UNROLL_ITERATIONS)
   poses, _, activation_logits = m_step(
       state.log_assignments, lambdas[num_iterations - 1], state.poses)
-  return (poses.astype(out_dtype),
-          jax.nn.sigmoid(activation_logits).astype(out_dtype),
+  # Activations stay float32 like the assignments: rounded to bfloat16,
+  # class activations near 1 would tie and the argmax pick the lowest class.
+  return (poses.astype(out_dtype), jax.nn.sigmoid(activation_logits),
           jnp.exp(state.log_assignments))

@@ -107,6 +107,28 @@ REGISTRY_INPUTS = {
 
 
 @pytest.mark.parametrize('name', models.list_models())
+def test_bfloat16_forward_keeps_class_scores_distinct(name):
+  """In bfloat16 compute the class scores are still float32 (capsule
+  lengths, EM activations, Su's sigmoids): as many distinct values as in
+  float32, and the same predictions where float32's top two are apart."""
+  from capsjax.training import state as state_lib
+  options, spatial, channels = REGISTRY_INPUTS[name]
+  model = models.create_model(name, rngs=nnx.Rngs(0), **options)
+  h, w = spatial or (28, 28)
+  images = jax.random.uniform(jax.random.key(1), (16, h, w, channels))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  low_model = nnx.merge(graphdef, state_lib.cast_floating(params,
+                                                          jnp.bfloat16), rest)
+  high = np.asarray(models.class_scores(model(images)))
+  low = models.class_scores(low_model(images.astype(jnp.bfloat16)))
+  if name == 'baseline_cnn':  # logits, not a score in [0, 1]
+    return
+  assert low.dtype == jnp.float32, name
+  low = np.asarray(low)
+  assert len(np.unique(low)) == len(np.unique(high)), name
+
+
+@pytest.mark.parametrize('name', models.list_models())
 def test_every_model_rejects_wrong_images_naming_expected_and_got(name):
   options, spatial, channels = REGISTRY_INPUTS[name]
   model = _abstract(name, **options)

@@ -734,8 +734,10 @@ def test_values_and_gradients_finite_on_degenerate_inputs(dtype):
           assert np.all(finite[k]), f'{case}: d/d{name} not finite'
       else:
         assert np.all(finite), f'{cases}: d/d{name} not finite'
-    assert group_values[0].dtype == group_values[1].dtype == dtype
-    assert group_values[3].dtype == dtype
+    # EM poses and dynamic outputs in the votes' dtype; EM activations
+    # float32 (class scores).
+    assert group_values[0].dtype == group_values[3].dtype == dtype
+    assert group_values[1].dtype == jnp.float32
   # No input is active: no mass, mu = 0, a_j = sigmoid(lambda_T beta_a).
   poses, out_a = values[0][0][0], values[0][1][0]
   lam = 0.01 * (1 - 0.95**3)
@@ -816,7 +818,7 @@ def test_bfloat16_outputs_close_to_float32(algorithm):
   low = run(*bf16)
   assert low[0].dtype == jnp.bfloat16
   if algorithm == 'em':
-    assert low[1].dtype == jnp.bfloat16
+    assert low[1].dtype == jnp.float32  # class scores: see below
   # Same (rounded) inputs in float32: only the output rounding differs.
   chex.assert_trees_all_close(low, run(*rounded), rtol=1e-2, atol=1e-2)
   # Unrounded float32 inputs: the inputs' rounding (2^-9 relative) carried
@@ -860,3 +862,20 @@ def test_bad_arguments_raise_value_error():
     routing.em_routing(votes, activations, np.zeros(DIMS.O + 1), beta_a)
   with pytest.raises(ValueError):
     routing.dynamic_routing(votes, 3, bias=np.zeros((DIMS.O, DIMS.D + 1)))
+
+
+def test_bfloat16_em_activations_near_one_do_not_tie():
+  """Activations near 1 (beta_a large) keep float32 resolution from
+  bfloat16 votes: rounded to bfloat16 they would all be 1.0 and the argmax
+  would pick the lowest class."""
+  votes, activations, _, _ = random_em_inputs(31, (DIMS.B,))
+  beta_a = np.array([8.0, 8.5, 9.0], np.float32)
+  run = jit_em(3, **EM_OPTIONS['constant_lambda'])
+  low = run(jnp.asarray(votes, jnp.bfloat16), activations, 0.0, beta_a)[1]
+  high = run(votes, activations, 0.0, beta_a)[1]
+  assert low.dtype == jnp.float32
+  assert np.all(np.asarray(high) > 0.99)
+  assert np.all(np.asarray(low, np.float32).astype(jnp.bfloat16) == 1.0)
+  distinct = lambda x: len(np.unique(np.asarray(x)))  # noqa: E731
+  assert distinct(low) == distinct(high) == low.size
+  np.testing.assert_array_equal(np.argmax(low, -1), np.argmax(high, -1))

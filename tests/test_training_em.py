@@ -237,3 +237,41 @@ def test_train_step_feeds_the_state_step_to_the_loss(norb_dir, loss):
     else:
       expected = _np_losses(activations, labels)[loss].mean()
     assert float(metrics['class_loss']) == pytest.approx(expected, rel=2e-4)
+
+
+@pytest.mark.parametrize('module, variant', [
+    (matrix_capsnet_mnist, ''), (matrix_capsnet_mnist, 'small'),
+    (matrix_capsnet_mnist, 'paper'), (matrix_capsnet_mnist, 'fashion'),
+    (matrix_capsnet_mnist, 'smoke'), (matrix_capsnet_smallnorb, ''),
+    (matrix_capsnet_smallnorb, 'small,paper'),
+    (matrix_capsnet_smallnorb, 'smoke')])
+def test_configured_run_ends_with_the_full_spread_margin(module, variant):
+  """The margin reaches about 0.9 by the last configured step (the
+  authors' curve at its own 50,000-step scale would end at 0.24 after
+  50,000 steps)."""
+  from capsjax import losses
+
+  def final_margin(config):
+    return float(losses.spread_loss_margin(
+        config.num_train_steps, schedule=config.margin_schedule,
+        total_steps=config.margin_steps))
+
+  config = module.get_config(variant)
+  # 0.99: the authors' curve's ceiling.
+  assert 0.85 <= final_margin(config) <= 0.99, (variant, config.margin_steps)
+  if config.margin_schedule == 'authors':
+    # It follows a changed length, and the authors' own scale would not.
+    config.num_train_steps = 3000
+    assert config.margin_steps == 500
+    assert 0.85 <= final_margin(config) <= 0.9
+    assert float(losses.spread_loss_margin(
+        50_000, schedule='authors', total_steps=50_000)) < 0.25
+
+
+def test_margin_follows_num_train_steps_on_the_command_line():
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.matrix_capsnet', '--config_help',
+       '--config.num_train_steps=600'], cwd=conftest.REPO, capture_output=True,
+      text=True, timeout=120, env=conftest.training_env())
+  assert out.returncode == 0, out.stderr
+  assert '\n  margin_steps = 100  # ' in out.stdout, out.stdout

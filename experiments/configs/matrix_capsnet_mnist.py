@@ -23,7 +23,11 @@ def em_defaults(config):
   # 'authors': m = 0.2 + 0.79 sigmoid(min(10, step / margin_steps - 4));
   # 'linear': 0.2 -> 0.9 over margin_steps.
   config.margin_schedule = 'authors'
-  config.margin_steps = 50_000
+  # The authors' curve with its 50,000-step scale reaches 0.9 only after
+  # about 300,000 steps; scaled to the configured training (it follows
+  # --config.num_train_steps), it ends at 0.896: m(6 * scale) = 0.2 + 0.79
+  # sigmoid(2).
+  config.margin_steps = config.get_ref('num_train_steps') // 6
   config.weight_decay = 2e-7
   config.stereo = True
   config.viewpoint_split = ''
