@@ -180,6 +180,19 @@ def test_progress_bar_shows_rate_and_eta_between_logs(monkeypatch):
   assert re.search(r'<\d+:\d+', drawn), drawn  # the ETA
 
 
+def test_environment_names_the_commit_and_uncommitted_changes():
+  from tests.conftest import REPO
+
+  def git(*args):
+    return subprocess.run(['git', *args], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+  env = metrics_lib.environment()
+  assert env['git_commit'] == git('rev-parse', 'HEAD')
+  assert env['git_uncommitted_changes'] == bool(
+      git('status', '--porcelain', '--untracked-files=no'))
+
+
 def test_batch_size_must_divide_devices():
   mesh = sharding.make_mesh()
   sharding.check_batch_size(mesh.size * 4, mesh)

@@ -459,6 +459,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   _make_writable_dir(workdir)
   run = _Run(config, workdir, steps, dataset)
   run.say(run.header())
+  # The code that trains: taken now, as the tree may change during a run.
+  environment = metrics_lib.environment()
   time_limit = config.get('max_train_seconds') or None
   save_every_s = config.get('checkpoint_every_seconds') or None
   clock, compile_s = _TrainClock(), None
@@ -531,7 +533,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   test = run.evaluate(dataset.test)  # the test set is read once, here
   evals = evaluators.run(config, run.eval_context())
   run.close()
-  summary = _summary(run, test, evals, clock, compile_s)
+  summary = _summary(run, test, evals, clock, compile_s, environment)
   if run.chief:
     metrics_lib.write_json_atomic(os.path.join(workdir, 'summary.json'),
                                   summary)
@@ -543,7 +545,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
-             compile_s: float | None) -> dict[str, Any]:
+             compile_s: float | None, environment: dict[str, Any]
+             ) -> dict[str, Any]:
   config = run.config
   target = config.get('target_accuracy') or 0.0
   return {
@@ -564,6 +567,6 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
       'compile_s': compile_s,
       'train_wall_s_this_run': clock.seconds,
       'batch_size': config.batch_size,
-      **metrics_lib.environment(),
+      **environment,
       'num_devices': run.mesh.size,  # those trained on, not all there are
   }

@@ -106,14 +106,21 @@ class Progress:
     self._bar.close()
 
 
-def environment() -> dict[str, Any]:
+def _git(*args: str) -> str | None:
   try:
-    commit = subprocess.run(
-        ['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+    return subprocess.run(
+        ['git', *args], capture_output=True, text=True,
         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10,
-        check=False).stdout.strip() or None
+        check=False).stdout.strip()
   except (OSError, subprocess.SubprocessError):
-    commit = None
+    return None
+
+
+def environment() -> dict[str, Any]:
+  """Where and with what code this runs: device, versions, git commit (and
+  whether the working tree had uncommitted changes)."""
+  commit = _git('rev-parse', 'HEAD') or None
+  status = _git('status', '--porcelain', '--untracked-files=no')
   device = jax.devices()[0]
   return {
       'device': f'{device.platform}:{getattr(device, "device_kind", "")}',
@@ -123,6 +130,7 @@ def environment() -> dict[str, Any]:
       'machine': platform.machine(),
       'cpu_count': os.cpu_count(),
       'git_commit': commit,
+      'git_uncommitted_changes': None if commit is None else bool(status),
   }
 
 
