@@ -138,20 +138,14 @@ def config_description(config, config_file: str) -> str:
     doc = ast.get_docstring(ast.parse(f.read())) or ''
   meanings = _key_comments(os.path.join(CONFIG_DIR, 'common.py'))
   meanings.update(_key_comments(config_file))
+  from capsjax.training import metrics  # imports jax: after the flags
   lines = [doc, '', f'Keys of {config_file} (override with '
            f'--config.KEY=VALUE):']
-
-  def walk(tree, prefix=''):
-    for key, value in tree.items():
-      if isinstance(value, dict) and value:
-        walk(value, f'{prefix}{key}.')
-        continue
-      name = prefix + key
-      meaning = meanings.get(name, '')
-      lines.append(f'  {name} = {json.dumps(value)}' +
-                   (f'  # {meaning}' if meaning else ''))
-
-  walk(json.loads(config.to_json_best_effort()))
+  keys = metrics.flat_config(json.loads(config.to_json_best_effort()))
+  for name, value in keys.items():
+    meaning = meanings.get(name, '')
+    lines.append(f'  {name} = {json.dumps(value)}' +
+                 (f'  # {meaning}' if meaning else ''))
   return '\n'.join(lines)
 
 

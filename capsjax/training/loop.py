@@ -205,15 +205,6 @@ _SAFE_CHANGES = ('num_train_steps', 'log_every_steps', 'eval_every_steps',
 _UNUSABLE_CHANGES = ('model', 'model_options', 'dataset')
 
 
-def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
-  if isinstance(tree, dict):
-    out = {}
-    for key, value in tree.items():
-      out.update(_flat(value, f'{prefix}{key}.'))
-    return out
-  return {prefix[:-1]: tuple(tree) if isinstance(tree, list) else tree}
-
-
 def config_changes(config: ml_collections.ConfigDict, workdir: str
                    ) -> tuple[str, str]:
   """How ``config`` differs from the one stored in ``workdir`` with a
@@ -225,8 +216,8 @@ def config_changes(config: ml_collections.ConfigDict, workdir: str
       os.path.join(workdir, 'checkpoints'))):
     return '', ''
   with open(path) as f:
-    stored = _flat(json.load(f))
-  new = _flat(json.loads(config.to_json_best_effort()))
+    stored = metrics_lib.flat_config(json.load(f))
+  new = metrics_lib.flat_config(json.loads(config.to_json_best_effort()))
   changed = sorted(k for k in stored.keys() | new.keys()
                    if stored.get(k) != new.get(k))
   top = lambda key: key.split('.')[0]  # noqa: E731

@@ -134,6 +134,17 @@ def environment() -> dict[str, Any]:
   }
 
 
+def flat_config(tree: Any, prefix: str = '') -> dict[str, Any]:
+  """A config as JSON gives it ({'a': {'b': 1}}) -> {'a.b': 1}, lists as
+  tuples (an empty dict stays a leaf)."""
+  if isinstance(tree, dict) and tree:
+    out = {}
+    for key, value in tree.items():
+      out.update(flat_config(value, f'{prefix}{key}.'))
+    return out
+  return {prefix[:-1]: tuple(tree) if isinstance(tree, list) else tree}
+
+
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """``workdir/config.json``, written atomically."""
   path = os.path.join(workdir, 'config.json')
