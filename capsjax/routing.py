@@ -136,12 +136,6 @@ def _weighted_sum(votes: jax.Array, coupling: jax.Array,
   return s
 
 
-def _unit(s: jax.Array) -> jax.Array:
-  """s / |s| (0 at s = 0, finite gradient): [..., D] -> [..., D]."""
-  return s * jax.lax.rsqrt(jnp.sum(jnp.square(s), axis=-1, keepdims=True) +
-                           NORM_EPSILON)
-
-
 def dynamic_routing(
     votes: ArrayLike,
     num_iterations: int = 3,
@@ -197,7 +191,9 @@ def dynamic_routing(
   def agreement_target(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(v = squash(s), the vector the votes agree with): [..., O, D] each."""
     outputs = squash(s, constant=squash_constant)
-    return outputs, _unit(s) if normalize_agreement else outputs
+    if normalize_agreement:  # s / |s|: 0 at s = 0, with a finite gradient
+      return outputs, s / safe_norm(s, axis=-1, keepdims=True)
+    return outputs, outputs
 
   def step(_, state: DynamicRoutingState) -> DynamicRoutingState:
     coupling = coupling_coefficients(state.logits, leaky=leaky)

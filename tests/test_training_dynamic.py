@@ -403,7 +403,7 @@ def test_checkpoints_also_by_wall_time(tmp_path, tiny_mnist):
 
 def test_a_long_run_says_how_long_and_what_is_shorter(monkeypatch):
   config = capsnet_mnist.get_config()
-  estimate = loop._Estimate(config, 0)
+  estimate = loop._Estimate(config)
   clock = [100.0]
   monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock[0])
   estimate.start(1)
@@ -419,7 +419,7 @@ def test_a_long_run_says_how_long_and_what_is_shorter(monkeypatch):
                        ':smoke trains a reduced CapsNet to about 98% in 2-3 '
                        'minutes of training on a 2-core CPU.'), line
   assert estimate.line(40) is None  # said once
-  short = loop._Estimate(capsnet_mnist.get_config('smoke'), 0)
+  short = loop._Estimate(capsnet_mnist.get_config('smoke'))
   short.start(1)
   clock[0] += 20.0
   assert short.line(300) is None  # 150 more steps: not long

@@ -244,9 +244,9 @@ class _Estimate:
   # Measure at least this long (after compilation) before estimating.
   MEASURE_S = 10.0
 
-  def __init__(self, config: ml_collections.ConfigDict, step: int):
+  def __init__(self, config: ml_collections.ConfigDict):
     self._config = config
-    self._start_step, self._start_time, self._said = step, None, False
+    self._start_step, self._start_time, self._said = 0, None, False
 
   def start(self, step: int) -> None:
     self._start_step, self._start_time = step, time.perf_counter()
@@ -331,10 +331,6 @@ class _Run:
   def say(self, message: str) -> None:
     if self.chief:
       print(message, flush=True)
-
-  def say_once(self, message: str | None) -> None:
-    if message:
-      self.say(message)
 
   def header(self) -> str:
     d, c = self.dataset, self.config
@@ -456,11 +452,12 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   save_every_s = config.get('checkpoint_every_seconds') or None
   clock, compile_s = _TrainClock(), None
   due = lambda every: run.step % every == 0  # noqa: E731
-  # A stop signal is checked at every step by a single process; processes
-  # must agree on the step, so a multi-process run checks at log steps.
+  # A stop signal and the wall-time checkpoint are checked at every step by
+  # a single process; processes must agree on the step, so a multi-process
+  # run checks at log steps.
   single = jax.process_count() == 1
   last_save = time.monotonic()
-  estimate = _Estimate(config, run.step)
+  estimate = _Estimate(config)
   with metrics_lib.MetricWriter(workdir) as writer, metrics_lib.Progress(
       config.num_train_steps, run.step, config.batch_size) as progress, \
       _StopSignals() as stop:
@@ -481,18 +478,18 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
         # One step stays in flight: the bar counts finished steps only.
         jax.block_until_ready(previous)
         progress.advance(run.step - 1)
-        run.say_once(estimate.line(run.step - 1))
+        if line := estimate.line(run.step - 1):
+          run.say(line)
       previous = metrics
       last = run.step == config.num_train_steps or (
           time_limit is not None and all_agree(clock.elapsed() > time_limit))
-      stopping = (single or due(config.log_every_steps)) and all_agree(
-          stop.signum is not None)
+      agree_now = single or due(config.log_every_steps)
+      stopping = agree_now and all_agree(stop.signum is not None)
       if last or stopping or due(config.log_every_steps):
         jax.block_until_ready(metrics)  # the logged window's steps are done
       clock.stop()
-      save_now = save_every_s is not None and (
-          single or due(config.log_every_steps)) and all_agree(
-              time.monotonic() - last_save > save_every_s)
+      save_now = save_every_s is not None and agree_now and all_agree(
+          time.monotonic() - last_save > save_every_s)
       if last or stopping or save_now or due(config.log_every_steps) or due(
           config.eval_every_steps) or due(config.checkpoint_every_steps):
         # Before anything is logged, evaluated or saved, so that no
