@@ -675,6 +675,7 @@ class ConvCapsules(nnx.Module):
 def class_capsule_routing(
     poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
     beta_u: ArrayLike, beta_a: ArrayLike, *, coordinate_addition: bool = True,
+    coordinate_offsets: tuple[Sequence[float], Sequence[float]] | None = None,
     num_iterations: int = 3, inverse_temperature=None,
     variance_epsilon: float = routing.VARIANCE_FLOOR,
     normalize_cost: bool = False, center_momentum: float = 0.0,
@@ -688,6 +689,8 @@ def class_capsule_routing(
     coordinate_addition: add each position's scaled (row, col) centre,
       (h + 0.5) / H and (w + 0.5) / W, to vote entries 0 and 1
       (``votes.coordinate_addition``).
+    coordinate_offsets: (row offsets [H], column offsets [W]) to add
+      instead (e.g. ``votes.authors_coordinates``); None: the grid's.
   Returns:
     (poses [B, O, P, P] in the input poses' dtype, activations [B, O]
     float32 (the class scores), assignments [B, H*W*Cin, O] float32), inputs
@@ -706,7 +709,7 @@ def class_capsule_routing(
   num_out, p = weights.shape[1], weights.shape[2]
   v = votes_lib.matrix_votes(poses, weights)  # [B, H, W, Cin, O, P*P]
   if coordinate_addition:
-    v = votes_lib.coordinate_addition(v)
+    v = votes_lib.coordinate_addition(v, *(coordinate_offsets or (None, None)))
   v = v.reshape(batch, -1, num_out, p * p)
   out_poses, out_acts, assignments = routing.em_routing(
       v, activations.reshape(batch, -1), beta_u, beta_a,
@@ -727,10 +730,14 @@ class ClassCapsules(nnx.Module):
 
   (poses [B, H, W, in_types, P, P], activations [B, H, W, in_types]) ->
   (poses [B, num_classes, P, P], activations [B, num_classes]).
+  ``coordinate_offsets`` (rows, cols): what coordinate addition adds (see
+  ``class_capsule_routing``); None: the grid's (h + 0.5) / H.
   """
 
   def __init__(self, in_types: int, num_classes: int, num_iterations: int = 3,
                *, pose_size: int = 4, coordinate_addition: bool = True,
+               coordinate_offsets: tuple[Sequence[float], Sequence[float]]
+               | None = None,
                inverse_temperature=None,
                variance_epsilon: float = routing.VARIANCE_FLOOR,
                normalize_cost: bool = False, center_momentum: float = 0.0,
@@ -741,6 +748,9 @@ class ClassCapsules(nnx.Module):
                         ('pose_size', pose_size)):
       _check_positive_int(name, value)
     self.coordinate_addition = coordinate_addition
+    # Tuples of floats: static, hashable module attributes.
+    self.coordinate_offsets = None if coordinate_offsets is None else tuple(
+        tuple(float(x) for x in axis) for axis in coordinate_offsets)
     self.routing_options = _em_options(
         num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
         center_momentum, activation_form)
@@ -756,5 +766,6 @@ class ClassCapsules(nnx.Module):
     out_poses, out_acts, _ = class_capsule_routing(
         poses, activations, self.weights[...], self.beta_u[...],
         self.beta_a[...], coordinate_addition=self.coordinate_addition,
+        coordinate_offsets=self.coordinate_offsets,
         votes_dtype=self.votes_dtype, **self.routing_options)
     return out_poses, out_acts

@@ -32,6 +32,7 @@ from jax.typing import ArrayLike
 
 from capsjax import layers
 from capsjax import routing
+from capsjax import votes as votes_lib
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -292,6 +293,11 @@ class MatrixCapsNet(nnx.Module):
   D*K*16 + 2K. 32x32x1 gives 316,394 for A=B=C=D=32 (paper "310K") and
   67,154 for A=64, B=8, C=D=16 (paper "68K").
 
+  ``coordinate_form``: what coordinate addition adds to the class votes:
+  'grid', each position's (h + 0.5) / H of the last grid, or 'authors', its
+  receptive field's centre in input pixels, centred and divided by 100 (the
+  released code; ``votes.authors_coordinates``).
+
   ``init='paper'`` (the paper prints none): transforms normal std 1/2 =
   1/sqrt(pose side), or ``transform_std``, beta_u = beta_a = 0.
   ``init='authors'``: the released code's std 0.3 / beta 0.5 (conv
@@ -309,7 +315,8 @@ class MatrixCapsNet(nnx.Module):
                num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
                D: int = 32, num_iterations: int = 3,
                caps1_iterations: int = 0,
-               coordinate_addition: bool = True, conv1_kernel: int = 5,
+               coordinate_addition: bool = True,
+               coordinate_form: str = 'grid', conv1_kernel: int = 5,
                conv1_stride: int = 2, caps1_kernel: int = 3,
                caps1_stride: int = 2, caps2_kernel: int = 3,
                caps2_stride: int = 1, inverse_temperature=None,
@@ -332,6 +339,9 @@ class MatrixCapsNet(nnx.Module):
       _check_positive_int(name, value)
     if init not in ('paper', 'authors'):
       raise ValueError(f"init must be 'paper' or 'authors', got {init!r}.")
+    if coordinate_form not in ('grid', 'authors'):
+      raise ValueError(f"coordinate_form must be 'grid' or 'authors', got "
+                       f'{coordinate_form!r}.')
     if transform_std is not None and not transform_std > 0:
       raise ValueError(f'transform_std must be > 0, got {transform_std!r}.')
     if init == 'authors' and transform_std is not None:
@@ -363,8 +373,17 @@ class MatrixCapsNet(nnx.Module):
         C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions, remat=remat,
         remat_iterations=remat_iterations, rngs=rngs, **em, **conv_init)
+    # The authors' coordinates: each class-layer position's receptive-field
+    # centre in input pixels (Conv1, then the 1x1 primary capsules, then
+    # the two conv capsule layers).
+    windows = ((conv1_kernel, conv1_stride), (caps1_kernel, caps1_stride),
+               (caps2_kernel, caps2_stride))
+    offsets = (None if coordinate_form == 'grid' else tuple(
+        votes_lib.authors_coordinates(side, windows) for side in (height,
+                                                                   width)))
     self.class_caps = layers.ClassCapsules(
         D, num_classes, coordinate_addition=coordinate_addition,
+        coordinate_offsets=offsets,
         inverse_temperature=class_inverse_temperature, rngs=rngs, **em,
         **class_init)
     # Fail at construction, not first call, when a kernel does not fit.

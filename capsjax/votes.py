@@ -7,6 +7,8 @@ capsules, Din/Dout vector capsule dimensions, P the side of a pose matrix
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,31 @@ def receptive_field_centres(size: int, kernel_size: int = 1, stride: int = 1
   """
   out = output_size(size, kernel_size, stride)
   return (np.arange(out) * stride + kernel_size / 2.0) / size
+
+
+def authors_coordinates(size: int, layer_windows: Sequence[tuple[int, int]]
+                        ) -> np.ndarray:
+  """The released code's coordinate of each position of the last grid
+  along one axis: [out].
+
+  google-research capsule_em (simple_model.py, ``conv_pos``/``add_convs``):
+  the input's pixel positions centred on the image and scaled by 1/100,
+  (i - size/2) / 100 for i = 0 .. size - 1 (np.mgrid from -size/2 to
+  size/2), then averaged over each layer's kernel window in turn: every
+  position holds the mean pixel coordinate of its receptive field. A 32x32
+  input through the smallNORB model's layers gives (4o - 8) / 100 on its
+  last 4x4 grid.
+
+  Args:
+    size: the input's side.
+    layer_windows: (kernel_size, stride) of every layer from the input to
+      the last grid, in order.
+  """
+  coordinates = (np.arange(size) - size / 2.0) / 100.0
+  for kernel_size, stride in layer_windows:
+    coordinates = coordinates[window_indices(len(coordinates), kernel_size,
+                                             stride)].mean(-1)
+  return coordinates
 
 
 def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,

@@ -191,42 +191,48 @@ def test_help_and_bad_config_are_clear(tmp_path):
     assert not (tmp_path / 'w' / 'capsnet' / 'summary.json').exists()
 
 
-@needs_mnist
-@pytest.mark.slow
-def test_smoke_run_end_to_end_with_an_affnist_file(tmp_path):
-  """The real-affNIST path on a file in the release format: the
-  transformed digits of the affine_mnist test, half of them relabelled, so
-  that the two accuracies differ; each must be a direct count with the
-  selected model on what it was given."""
+def write_affnist_file(directory, mnist_dir):
+  """An affNIST test file in the release format for the :smoke config: the
+  transformed digits of its affine_mnist test (the first
+  ``affine_test_size`` MNIST test digits), the first half relabelled
+  (k -> k+1), so that its accuracy and affine MNIST's differ: a pipeline
+  that read the file's images and labels out of step, or evaluated affine
+  MNIST twice, would not give the direct counts of ``check_smoke_workdir``.
+  Returns (images, file labels, the digits' true labels)."""
   config = capsnet_affnist.get_config('smoke')
   size = config.affine_test_size
-  # 1,000 training images (500 of them validation) and the first `size`
-  # test images: the plumbing, without evaluating 10,000 test images.
-  mnist_dir = conftest.write_mnist_subset(tmp_path / 'mnist', 1000, size)
-  mnist = data_lib.load_dataset('mnist', data_dir=mnist_dir,
-                                validation_size=0)
-  images = data_lib.affine_mnist(mnist.test.images, config.affine_seed)
-  # The first half relabelled (k -> k+1): a pipeline that read the images
-  # and labels of the file out of step, or evaluated affine MNIST twice,
-  # would not give the direct counts below.
-  file_labels = mnist.test.labels.copy()
+  test = data_lib.load_dataset('mnist', data_dir=mnist_dir,
+                               validation_size=0).test
+  images = data_lib.affine_mnist(test.images[:size], config.affine_seed)
+  labels = test.labels[:size]
+  file_labels = labels.copy()
   file_labels[:size // 2] = (file_labels[:size // 2] + 1) % 10
-  write_release_mat(tmp_path / 'test.mat', images[..., 0], file_labels)
-  proc = _launch(tmp_path / 'w', f'--config.affnist_dir={tmp_path}',
-                 f'--config.data_dir={mnist_dir}')
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  record = json.load(open(tmp_path / 'w' / 'affnist_summary.json'))
-  assert record['affine_mnist'] == {'size': size, 'seed': config.affine_seed}
+  os.makedirs(directory, exist_ok=True)
+  write_release_mat(os.path.join(directory, 'test.mat'), images[..., 0],
+                    file_labels)
+  return images, file_labels, labels
+
+
+def check_smoke_workdir(workdir, images, file_labels, labels):
+  """The :smoke config's run in ``workdir`` with the affNIST file of
+  ``write_affnist_file`` (the reproduction suite's smoke run:
+  tests/test_reproduce.py): each accuracy a direct count with the selected
+  model on what it was given, and the CNN's stop at the CapsNet's
+  validation accuracy."""
+  config = capsnet_affnist.get_config('smoke')
+  record = json.load(open(workdir / 'affnist_summary.json'))
+  assert record['affine_mnist'] == {'size': config.affine_test_size,
+                                    'seed': config.affine_seed}
   capsnet, cnn = record['models']['capsnet'], record['models']['baseline_cnn']
   for name, model in record['models'].items():
-    summary = json.load(open(tmp_path / 'w' / name / 'summary.json'))
-    selected = training.load_trained_model(str(tmp_path / 'w' / name), 'best')
+    summary = json.load(open(workdir / name / 'summary.json'))
+    selected = training.load_trained_model(str(workdir / name), 'best')
     predictions = np.argmax(models.class_scores(
         figures.model_outputs(selected, images)), -1)
     assert model['affnist_accuracy'] == pytest.approx(
         np.mean(predictions == file_labels), abs=1e-9)
     assert model['affine_mnist_accuracy'] == pytest.approx(
-        np.mean(predictions == mnist.test.labels), abs=1e-9)
+        np.mean(predictions == labels), abs=1e-9)
     assert model['expanded_mnist_test_accuracy'] == summary['test']['accuracy']
     assert model['paper_affnist_accuracy'] == {'capsnet': 0.79,
                                                'baseline_cnn': 0.66}[name]
@@ -236,4 +242,4 @@ def test_smoke_run_end_to_end_with_an_affnist_file(tmp_path):
       cnn['expanded_mnist_validation_accuracy'] >= cnn['target_accuracy'])
   assert (cnn['steps'] < config.baseline.num_train_steps) == (
       cnn['reached_target'])
-  assert os.path.getsize(tmp_path / 'w' / 'affnist_examples.png') > 0
+  assert os.path.getsize(workdir / 'affnist_examples.png') > 0

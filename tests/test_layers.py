@@ -415,3 +415,26 @@ def test_class_capsules_coordinate_addition_by_hand():
   np.testing.assert_allclose(out_poses.reshape(dims.B, dims.O, 16), ref_poses,
                              rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(out_acts, ref_acts, rtol=1e-4, atol=1e-6)
+
+
+def test_class_capsules_add_the_offsets_they_are_given():
+  dims = chex.Dimensions(B=2, H=3, W=2, C=2, O=4, P=4)
+  rows, cols = (-0.06, -0.02, 0.02), (0.5, -0.5)
+  layer = layers.ClassCapsules(dims.C, dims.O, coordinate_offsets=(rows, cols),
+                               rngs=nnx.Rngs(7))
+  grid = layers.ClassCapsules(dims.C, dims.O, rngs=nnx.Rngs(7))
+  poses, acts = _conv_caps_inputs(dims, seed=7)
+  weights = np.asarray(layer.weights[...])
+  v = np.einsum('bhwcij,cojk->bhwcoik', poses, weights).reshape(
+      dims.B, dims.H, dims.W, dims.C, dims.O, 16)
+  v[..., 0] += np.asarray(rows)[None, :, None, None, None]
+  v[..., 1] += np.asarray(cols)[None, None, :, None, None]
+  ref_poses, ref_acts, _ = jax.jit(routing.em_routing, static_argnums=4)(
+      v.reshape(dims.B, -1, dims.O, 16), acts.reshape(dims.B, -1),
+      layer.beta_u[...], layer.beta_a[...], 3)
+  out_poses, out_acts = jax.jit(layer.__call__)(poses, acts)
+  np.testing.assert_allclose(out_poses.reshape(dims.B, dims.O, 16), ref_poses,
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out_acts, ref_acts, rtol=1e-4, atol=1e-6)
+  # Other offsets than the grid's: other outputs from the same parameters.
+  assert not np.allclose(out_poses, grid(poses, acts)[0], atol=1e-3)

@@ -380,3 +380,18 @@ def test_matrix_capsnet_transform_std_sets_every_em_layers_init():
   with pytest.raises(ValueError, match="init='paper' only"):
     models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), init='authors',
                         transform_std=1.0)
+
+
+def test_matrix_capsnet_authors_coordinates_follow_its_layers():
+  model = models.create_model('matrix_capsnet', input_shape=(32, 32, 1), A=8,
+                              B=2, C=2, D=2, num_classes=5,
+                              coordinate_form='authors', rngs=nnx.Rngs(0))
+  rows, cols = model.class_caps.coordinate_offsets
+  np.testing.assert_allclose(rows, [-0.08, -0.04, 0.0, 0.04], atol=1e-12)
+  np.testing.assert_allclose(cols, rows, atol=1e-12)
+  grid = models.create_model('matrix_capsnet', input_shape=(32, 32, 1), A=8,
+                             B=2, C=2, D=2, num_classes=5, rngs=nnx.Rngs(0))
+  assert grid.class_caps.coordinate_offsets is None
+  with pytest.raises(ValueError, match="coordinate_form must be 'grid' or "
+                     "'authors'"):
+    models.create_model('matrix_capsnet', coordinate_form='centre', rngs=nnx.Rngs(0))

@@ -304,13 +304,21 @@ def test_help_and_bad_config_are_clear(tmp_path):
 
 @needs_mnist
 @pytest.mark.slow
-@pytest.mark.parametrize('variant', ['smoke', 'smoke,baseline'])
-def test_smoke_run_end_to_end(tmp_path, variant):
+def test_smoke_baseline_run_end_to_end(tmp_path):
+  # The CapsNet's :smoke run is the reproduction suite's (its checks:
+  # check_smoke_workdir, called from tests/test_reproduce.py).
+  variant = 'smoke,baseline'
   proc = _launch(tmp_path,
                  f'--config=experiments/configs/capsnet_multimnist.py:{variant}')
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  summary = json.load(open(tmp_path / 'summary.json'))
-  record = json.load(open(tmp_path / 'multimnist_summary.json'))
+  check_smoke_workdir(tmp_path, variant)
+
+
+def check_smoke_workdir(workdir, variant):
+  """A MultiMNIST :smoke run (``variant``) in the workdir ``workdir``: its
+  summaries, and the test error recounted from the saved model."""
+  summary = json.load(open(workdir / 'summary.json'))
+  record = json.load(open(workdir / 'multimnist_summary.json'))
   config = capsnet_multimnist.get_config(variant)
   assert summary['steps'] == config.num_train_steps
   assert summary['dataset'] == 'multimnist'
@@ -321,7 +329,7 @@ def test_smoke_run_end_to_end(tmp_path, variant):
   # pairs, the top 2 taken here with NumPy (the baseline's 40 steps learn
   # nothing measurable: its error is chance's).
   test = dynamic.multimnist_dataset(config).test
-  model = training.load_trained_model(str(tmp_path), 'best')
+  model = training.load_trained_model(str(workdir), 'best')
   scores = np.asarray(models.class_scores(model(
       test.images[..., :1].astype(np.float32) / 255.0, train=False)))
   both = conftest.np_both_in_top2(scores, test.labels)
@@ -333,10 +341,10 @@ def test_smoke_run_end_to_end(tmp_path, variant):
     assert record['test_error'] < 0.95, record
   assert record['paper_test_error'] == (0.081 if 'baseline' in variant
                                         else 0.052)
-  lines = open(tmp_path / 'metrics.jsonl').read().splitlines()
+  lines = open(workdir / 'metrics.jsonl').read().splitlines()
   assert any('validation/accuracy' in line for line in lines)
   if 'baseline' in variant:
     assert record['figure'] is None
   else:
-    assert os.path.getsize(tmp_path / 'multimnist_reconstructions.png') > 0
+    assert os.path.getsize(workdir / 'multimnist_reconstructions.png') > 0
     assert any('train/reconstruction_loss' in line for line in lines)

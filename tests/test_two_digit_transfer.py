@@ -19,7 +19,6 @@ from experiments import two_digit_transfer as two_digit_transfer_experiment
 from experiments.configs import two_digit_transfer
 from tests import conftest
 from tests.conftest import REPO
-from tests.conftest import needs_mnist
 
 
 def su_accuracies(y_pred, y_test):
@@ -188,17 +187,11 @@ def test_help_and_bad_flags():
       assert 'Did you mean "batch_size"' in lines[0], lines
 
 
-@needs_mnist
-@pytest.mark.slow
-def test_smoke_run_writes_summary_and_figure(tmp_path):
-  # The first 1,000 training and 500 test digits: the plumbing, not the
-  # accuracy, counts.
-  mnist_dir = conftest.write_mnist_subset(tmp_path / 'mnist', 1000, 500)
-  workdir = tmp_path / 'out'
-  result = _run(f'--workdir={workdir}',
-                '--config=experiments/configs/two_digit_transfer.py:smoke',
-                f'--config.data_dir={mnist_dir}')
-  assert result.returncode == 0, result.stdout + result.stderr
+def check_smoke_workdir(workdir, mnist_dir):
+  """The :smoke config's run in ``workdir`` (the reproduction suite's smoke
+  run trains it: tests/test_reproduce.py), on the MNIST in ``mnist_dir``:
+  its summary, both pair accuracies recounted from the saved models, the
+  blank-field counts and the figures."""
   summary = json.load(open(workdir / 'summary.json'))
   assert summary['num_pairs'] == 200
   print(json.dumps(summary['models'], indent=1))

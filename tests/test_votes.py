@@ -331,3 +331,21 @@ def test_em_routing_in_a_conv_capsule_layer():
                                  stride, DIMS.C)
   assert np.all(covered)
   np.testing.assert_allclose(totals, 1.0, rtol=1e-4)
+
+
+def test_authors_coordinates_are_receptive_field_centres_in_pixels():
+  # By hand, from SPEC section 4: pixel i sits at (i - size/2) / 100 and
+  # each layer averages its window. Conv1 5x5/2, ConvCaps1 3x3/2, ConvCaps2
+  # 3x3/1: last-grid position o averages pixels 4o .. 4o + 16 around
+  # 4o + 8, i.e. (4o + 8 - size/2) / 100.
+  windows = ((5, 2), (3, 2), (3, 1))
+  np.testing.assert_allclose(votes.authors_coordinates(32, windows),
+                             [(4 * o + 8 - 16) / 100 for o in range(4)])
+  np.testing.assert_allclose(votes.authors_coordinates(28, windows),
+                             [(4 * o + 8 - 14) / 100 for o in range(3)])
+  # A stride-1 window of 3 over 5 pixels at (i - 2.5) / 100: the mean of
+  # each 3.
+  np.testing.assert_allclose(votes.authors_coordinates(5, ((3, 1),)),
+                             [-0.015, -0.005, 0.005])
+  np.testing.assert_allclose(votes.authors_coordinates(4, ()),
+                             [-0.02, -0.01, 0.0, 0.01])

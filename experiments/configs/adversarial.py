@@ -21,8 +21,9 @@ Keys:
   train          training configs by name, trained into WORKDIR/train/<name>
                  before the attack (empty: attack --models only).
 
-Variants: smoke (trains a tiny CapsNet and baseline CNN for 10 steps itself
-and attacks 50 images with 3 BIM steps: CI runs it); smoke,em adds a tiny EM
+Variants: small (attacks 50 images at 3 epsilons with 3 BIM steps: the
+reproduction suite's smoke size), smoke (small, on a tiny CapsNet and
+baseline CNN it trains for 10 steps itself: CI runs it); smoke,em adds a tiny EM
 model to the ones it trains (a minute more of XLA compilation).
 """
 
@@ -57,18 +58,21 @@ def get_config(variant: str = ''):
   config.data_dir = ''
   config.train = ml_collections.ConfigDict()
   for part in filter(None, variant.split(',')):
-    if part == 'smoke':
+    if part in ('smoke', 'small'):
       config.epsilons = (0.0, 0.1, 0.3)
       config.bim_steps = 3
       config.bim_step_size = 0.1
       config.num_examples = 50
       config.batch_size = 50
+    if part == 'smoke':
       config.train.capsnet = _tiny(
           capsnet_mnist.get_config('smoke'), conv1_channels=8,
           primary_types=4, decoder_widths=(16, 32))
       config.train.baseline_cnn = _tiny(
           baseline_cnn_mnist.get_config('smoke'), conv_channels=(8, 8, 4),
           fc_widths=(16, 8))
+    elif part == 'small':
+      pass
     elif part == 'em':
       # Adds a tiny EM model to what is trained (its XLA compilation alone
       # takes about a minute on a CPU, so CI's smoke leaves it out).
@@ -80,5 +84,5 @@ def get_config(variant: str = ''):
                                           input_shape=(28, 28, 1))
     else:
       raise ValueError(f'unknown variant {part!r} of adversarial; known: '
-                       f'smoke, em.')
+                       f'smoke, small, em.')
   return config

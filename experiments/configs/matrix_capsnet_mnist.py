@@ -32,6 +32,10 @@ def em_defaults(config):
   config.stereo = True
   config.viewpoint_split = ''
   config.model_options.coordinate_addition = True
+  # What coordinate addition adds: 'grid', (h + 0.5) / H of the class
+  # layer's grid, or 'authors', each position's receptive-field centre in
+  # input pixels, centred and divided by 100 (the released code).
+  config.model_options.coordinate_form = 'grid'
   # capsjax's routing option set (results/em_mnist_trials): the paper's
   # lambda schedule (0.01 (1 - 0.95^(t+1))) leaves every activation near
   # sigmoid(0) at our cost scale, so nothing learns; cost normalisation with

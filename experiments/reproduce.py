@@ -1,0 +1,684 @@
+"""Reproduce the papers' tables with one command, in resumable pieces.
+
+  python -m experiments.reproduce --workdir=/scratch/repro --suite=paper
+  python -m experiments.reproduce --workdir=/scratch/repro --suite=paper \\
+      --max_seconds=540    # a 10-minute window; repeat until it says done
+  python -m experiments.reproduce --workdir=/tmp/repro_smoke --suite=smoke
+  python -m experiments.reproduce --workdir=/scratch/repro --suite=bench
+
+Suites:
+  paper  every experiment of the two papers (and Su's test) at its full
+         protocol, in the order CapsNet MNIST, matrix capsules MNIST, Su's
+         two-digit test, MultiMNIST, then the rest (``--list`` shows them).
+         smallNORB runs where --smallnorb_dir is given; affNIST tests on
+         the real affNIST where --affnist_dir is given, on affine-transformed
+         MNIST otherwise.
+  smoke  the same experiments at their ``:smoke`` size (minutes on a CPU).
+  bench  every model's train and eval images/s, compile time and peak
+         memory, float32 and bfloat16 (``experiments.benchmark``), and the
+         fraction of the device's peak.
+
+Each experiment is ``python -m experiments.<name>`` in WORKDIR/<name>,
+with its output in WORKDIR/<name>/reproduce.log. It resumes from its own
+checkpoints, so a rerun continues where the last call stopped and skips
+what is finished. ``--max_seconds=N`` stops the call after N seconds: the
+running experiment gets SIGTERM, saves a checkpoint of its current step and
+exits (allow a minute for that within a hard limit). Every call rewrites
+WORKDIR/reproduction.json and WORKDIR/REPRODUCTION.md: per row the paper's
+number, ours (test, with validation beside it), steps, epochs, wall time
+(all calls added up), images/s, device and commit. ``--readme=README.md``
+also writes the table of finished rows between the README's
+``<!-- reproduction:begin -->`` and ``<!-- reproduction:end -->`` lines.
+
+Exit status: 0 when every selected experiment is finished (or skipped for
+want of its data), 3 when --max_seconds stopped the call with work left
+(rerun the same command), 130/143 on Ctrl-C/SIGTERM (the running experiment
+saves first), 2 when an experiment failed (its log is named) or on a usage
+error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+from absl import app
+from absl import flags
+
+from experiments import launcher
+
+_WORKDIR = flags.DEFINE_string(
+    'workdir', None, 'Required. Directory of the suite: one subdirectory per '
+    'experiment, reproduction.json and REPRODUCTION.md; rerun with the same '
+    'one to continue.')
+_SUITE = flags.DEFINE_enum('suite', 'paper', ['paper', 'smoke', 'bench'],
+                           'Which suite: paper (full protocols), smoke (the '
+                           ':smoke sizes) or bench (speed and memory).')
+_ONLY = flags.DEFINE_list('only', [], 'Run only these experiments of the '
+                          'suite (comma-separated names; see --list).')
+_MAX_SECONDS = flags.DEFINE_float(
+    'max_seconds', 0.0, 'Stop this call after this many seconds (0: no '
+    'limit): the running experiment saves its checkpoint and the next call '
+    'continues.', lower_bound=0.0)
+_DATA_DIR = flags.DEFINE_string(
+    'data_dir', '', 'Directory with mnist/ and fashion-mnist/ (the IDX files); '
+    "'': each experiment's own search ($CAPSJAX_DATA_DIR, ../shared/data, "
+    'TFDS).')
+_AFFNIST_DIR = flags.DEFINE_string(
+    'affnist_dir', '', 'Directory of the affNIST test release; without it the '
+    'affNIST experiment tests on affine-transformed MNIST.')
+_SMALLNORB_DIR = flags.DEFINE_string(
+    'smallnorb_dir', '', 'Directory of the six smallNORB files; without it '
+    'the smallNORB experiment is skipped.')
+_BENCH_STEPS = flags.DEFINE_integer(
+    'bench_steps', 20, 'Timed steps per benchmark row (--suite=bench).',
+    lower_bound=1)
+_README = flags.DEFINE_string(
+    'readme', '', "Also write the finished rows into this README's "
+    '<!-- reproduction:begin --> ... <!-- reproduction:end --> block.')
+_LIST = flags.DEFINE_bool('list', False, "Print the suite's experiments, "
+                          'their commands and their status, and exit.')
+
+EXIT_TIME_LIMIT = 3
+README_BEGIN, README_END = '<!-- reproduction:begin -->', '<!-- reproduction:end -->'
+# After SIGTERM an experiment saves its checkpoint and exits; past this it is
+# killed (its previous checkpoint stays the latest).
+STOP_GRACE_S = 120.0
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Options(NamedTuple):
+  """What the flags say about the data, for building the commands."""
+  data_dir: str = ''
+  affnist_dir: str = ''
+  smallnorb_dir: str = ''
+  bench_steps: int = 20
+
+
+class Experiment(NamedTuple):
+  """One entry of a suite.
+
+  ``args(workdir, options)`` is the experiment's command after ``python -m
+  <module>``; ``result`` the file, in its workdir, that exists
+  once it is finished; ``rows(workdir)`` its table rows from that file;
+  ``needs(options)`` a reason to skip it ('' to run); ``after`` the
+  experiments whose workdirs it reads.
+  """
+  name: str
+  module: str
+  args: Callable[[str, Options], list[str]]
+  result: str
+  rows: Callable[[str], list[dict[str, Any]]]
+  needs: Callable[[Options], str] = lambda options: ''
+  after: tuple[str, ...] = ()
+
+
+def _read(path: str) -> dict[str, Any]:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _config(spec: str, workdir: str, options: Options,
+            *overrides: str) -> list[str]:
+  """--workdir, --config=configs/SPEC, the data directory and overrides."""
+  args = [f'--workdir={workdir}',
+          f'--config={os.path.join(launcher.CONFIG_DIR, spec)}']
+  if options.data_dir:
+    args.append(f'--config.data_dir={options.data_dir}')
+  return args + list(overrides)
+
+
+def _run_row(summary: dict[str, Any], title: str, paper: str,
+             metric: str = 'test error') -> dict[str, Any]:
+  """A table row of a training run's summary.json."""
+  key = 'error' if metric == 'test error' else 'accuracy'
+  return {'row': title, 'metric': metric, 'paper': paper,
+          'test': summary['test'].get(key),
+          'validation': (summary.get('validation') or {}).get(key),
+          'steps': summary['steps'], 'epochs': summary.get('epochs'),
+          'images_per_s': summary.get('train_images_per_s'),
+          'device': summary.get('device'), 'commit': summary.get('git_commit')}
+
+
+def _training(name: str, title: str, paper: str, paper_spec: str,
+              smoke_spec: str, smoke_overrides: tuple[str, ...] = (),
+              module: str = 'experiments.capsnet_mnist',
+              result: str = 'summary.json'
+              ) -> dict[str, Experiment]:
+  """A single training run (the paper and smoke suites' entries)."""
+  rows = lambda workdir: [_run_row(  # noqa: E731
+      _read(os.path.join(workdir, 'summary.json')), title, paper)]
+  return {
+      suite: Experiment(
+          name, module,
+          lambda workdir, options, spec=spec, extra=extra: _config(
+              spec, workdir, options, *extra),
+          result, rows)
+      for suite, spec, extra in (('paper', paper_spec, ()),
+                                 ('smoke', smoke_spec, smoke_overrides))}
+
+
+# In the smoke suite the ablations, the baseline CNN and Fashion-MNIST train
+# 20 steps of their :smoke model (each run's fixed cost, start-up,
+# compilation and the test set, is most of it): the CapsNet smoke run
+# already shows that model learning, and the baseline's 600 smoke steps take
+# 4-5 minutes on a 2-core CPU.
+_SHORT = ('--config.num_train_steps=20', '--config.eval_every_steps=10',
+          '--config.checkpoint_every_steps=10')
+
+
+def _affnist_rows(workdir: str) -> list[dict[str, Any]]:
+  record = _read(os.path.join(workdir, 'affnist_summary.json'))
+  rows = []
+  for name, title, paper in (('capsnet', 'affNIST, CapsNet', '79%'),
+                             ('baseline_cnn', 'affNIST, CNN', '66%')):
+    model = record['models'][name]
+    real = model.get('affnist_accuracy') is not None
+    row = _run_row(_read(os.path.join(workdir, name, 'summary.json')),
+                   title + ('' if real else ' (affine-transformed MNIST: no '
+                            '--affnist_dir)'), paper, 'accuracy')
+    row['test'] = model['affnist_accuracy' if real else 'affine_mnist_accuracy']
+    row['validation'] = model['expanded_mnist_validation_accuracy']
+    rows.append(row)
+  return rows
+
+
+def _two_digit_rows(workdir: str) -> list[dict[str, Any]]:
+  summary = _read(os.path.join(workdir, 'summary.json'))
+  titles = {'two_digit_capsnet': ("Su's two-digit test, capsules (later "
+                                  'routing), accuracy 1', 'above 95% (Su)'),
+            'two_digit_capsnet_blog_routing': (
+                "Su's two-digit test, capsules (blog routing), accuracy 1",
+                'about 91% (Su)'),
+            'two_digit_baseline': ("Su's two-digit test, pooling CNN, "
+                                   'accuracy 1', 'about 40% (Su)')}
+  rows = []
+  for name, record in summary['models'].items():
+    title, paper = titles.get(name, (name, '-'))
+    row = _run_row(_read(os.path.join(workdir, name, 'summary.json')), title,
+                   paper, 'accuracy')
+    # Validation: single digits (Su's protocol never selects on pairs).
+    row.update(test=record['pair_top2_accuracy'],
+               validation=record['validation_accuracy'])
+    rows.append(row)
+  return rows
+
+
+def _adversarial_rows(workdir: str) -> list[dict[str, Any]]:
+  summary = _read(os.path.join(workdir, 'summary.json'))
+  epsilon = summary['epsilons'][-1]
+  rows = []
+  for name, record in summary['models'].items():
+    trained = _read(os.path.join(record['workdir'], 'summary.json'))
+    rows.append({
+        'row': f'BIM at epsilon {epsilon}, {name}', 'metric': 'accuracy',
+        'paper': 'capsules less vulnerable than a CNN (smallNORB)',
+        'test': record['bim'][-1] if 'bim' in record else None,
+        'validation': None, 'steps': trained.get('steps'),
+        'epochs': trained.get('epochs'), 'images_per_s': None,
+        'device': summary.get('device'), 'commit': summary.get('git_commit')})
+  return rows
+
+
+_ATTACKED = ('capsnet_mnist', 'baseline_cnn_mnist', 'matrix_capsnet_mnist')
+
+
+def _adversarial(spec: str) -> Experiment:
+  def args(workdir: str, options: Options) -> list[str]:
+    models = ','.join(os.path.join(os.path.dirname(workdir), name)
+                      for name in _ATTACKED)
+    return _config(spec, workdir, options, f'--models={models}')
+  return Experiment('adversarial', 'experiments.adversarial', args,
+                    'summary.json', _adversarial_rows, after=_ATTACKED)
+
+
+def _experiments(suite: str) -> list[Experiment]:
+  """The paper or smoke suite, in the order they run."""
+  smoke = suite == 'smoke'
+  entries = [
+      _training('capsnet_mnist', 'CapsNet, 3 iterations + reconstruction, '
+                'MNIST', '0.25%', 'capsnet_mnist.py', 'capsnet_mnist.py:smoke'),
+      _training('matrix_capsnet_mnist', 'Matrix capsules (A=B=C=D=32), MNIST',
+                '0.44%', 'matrix_capsnet_mnist.py',
+                'matrix_capsnet_mnist.py:smoke',
+                module='experiments.matrix_capsnet'),
+  ]
+  experiments = [entry[suite] for entry in entries]
+  experiments.append(Experiment(
+      'two_digit_transfer', 'experiments.two_digit_transfer',
+      lambda workdir, options: _config(
+          'two_digit_transfer.py' + (':smoke' if smoke else ''), workdir,
+          options), 'summary.json', _two_digit_rows))
+  experiments += [entry[suite] for entry in (
+      _training('multimnist', 'MultiMNIST, CapsNet', '5.2%',
+                'capsnet_multimnist.py', 'capsnet_multimnist.py:smoke',
+                module='experiments.multimnist',
+                result='multimnist_summary.json'),
+      _training('capsnet_mnist_norecon', 'CapsNet, 3 iterations, no '
+                'reconstruction, MNIST', '0.35%', 'capsnet_mnist.py:norecon',
+                'capsnet_mnist.py:smoke,norecon', _SHORT),
+      _training('capsnet_mnist_iter1', 'CapsNet, 1 iteration + '
+                'reconstruction, MNIST', '0.29%', 'capsnet_mnist.py:iter1',
+                'capsnet_mnist.py:smoke,iter1', _SHORT),
+      _training('capsnet_mnist_iter1_norecon', 'CapsNet, 1 iteration, no '
+                'reconstruction, MNIST', '0.34%',
+                'capsnet_mnist.py:iter1,norecon',
+                'capsnet_mnist.py:smoke,iter1,norecon', _SHORT),
+      _training('baseline_cnn_mnist', 'baseline CNN, MNIST', '0.39%',
+                'baseline_cnn_mnist.py', 'baseline_cnn_mnist.py:smoke',
+                _SHORT),
+      _training('capsnet_fashion_mnist', 'CapsNet, Fashion-MNIST',
+                '- (not in the paper)', 'capsnet_fashion_mnist.py',
+                'capsnet_fashion_mnist.py:smoke', _SHORT),
+  )]
+
+  def affnist_args(workdir: str, options: Options) -> list[str]:
+    extra = ([f'--config.affnist_dir={options.affnist_dir}']
+             if options.affnist_dir else [])
+    return _config('capsnet_affnist.py' + (':smoke' if smoke else ''),
+                   workdir, options, *extra)
+  experiments.append(Experiment('affnist', 'experiments.affnist',
+                                affnist_args, 'affnist_summary.json',
+                                _affnist_rows))
+  experiments.append(_adversarial('adversarial.py' +
+                                  (':small' if smoke else '')))
+
+  def smallnorb_args(workdir: str, options: Options) -> list[str]:
+    spec = 'matrix_capsnet_smallnorb.py' + (':smoke' if smoke else '')
+    return [f'--workdir={workdir}',
+            f'--config={os.path.join(launcher.CONFIG_DIR, spec)}',
+            f'--config.data_dir={options.smallnorb_dir}']
+  experiments.append(Experiment(
+      'smallnorb', 'experiments.matrix_capsnet', smallnorb_args,
+      'summary.json',
+      lambda workdir: [_run_row(_read(os.path.join(workdir, 'summary.json')),
+                                'Matrix capsules, smallNORB', '1.8%')],
+      needs=lambda options: '' if options.smallnorb_dir else
+      'skipped: no --smallnorb_dir'))
+  return experiments
+
+
+# --suite=bench: (config, batch size) of every shipped model; 0 is the
+# config's batch size. (MultiMNIST's two-label step is not one that
+# experiments.benchmark times.)
+BENCH_MODELS = (
+    ('capsnet_mnist', 0), ('capsnet_mnist:smoke', 0),
+    ('baseline_cnn_mnist', 0),
+    ('two_digit_capsnet', 128), ('two_digit_baseline', 128),
+    ('matrix_capsnet_mnist', 0), ('matrix_capsnet_mnist:smoke', 0),
+    ('matrix_capsnet_smallnorb', 0), ('matrix_capsnet_smallnorb:small', 0),
+)
+
+
+def _bench_rows(workdir: str) -> list[dict[str, Any]]:
+  from capsjax import flops
+  out = []
+  for row in _read(os.path.join(workdir, 'bench.json'))['rows']:
+    peak = flops.device_peak(row.get('device') or '')
+    peak_flops = peak and (peak.bfloat16_flops if row['dtype'] == 'bfloat16'
+                           else peak.float32_flops)
+    step_s = row.get('train_step_s')
+    fraction = (row['train_flops_xla'] / step_s / peak_flops
+                if peak_flops and step_s and row.get('train_flops_xla')
+                else None)
+    out.append({'row': f"{row['model']} batch {row['batch_size']} "
+                       f"{row['dtype']}", 'metric': 'train images/s',
+                'paper': '-', 'test': row['train_images_per_s'],
+                'validation': None, 'steps': row['steps'], 'epochs': None,
+                'images_per_s': row['train_images_per_s'],
+                'eval_images_per_s': row['eval_images_per_s'],
+                'compile_s': row['compile_s'],
+                'peak_memory_bytes': row['peak_memory_bytes'],
+                'fraction_of_peak': fraction, 'device': row.get('device'),
+                'commit': None})
+  return out
+
+
+def _bench_experiments() -> list[Experiment]:
+  experiments = []
+  for model, batch in BENCH_MODELS:
+    for dtype in ('float32', 'bfloat16'):
+      def args(workdir, options, model=model, batch=batch, dtype=dtype):
+        return [f'--model={model}', f'--batch_size={batch}',
+                f'--dtype={dtype}', f'--steps={options.bench_steps}',
+                '--warmup=2', f'--output={os.path.join(workdir, "bench.json")}']
+      experiments.append(Experiment(
+          f"{model.replace(':', '_')}_{dtype}", 'experiments.benchmark',
+          args, 'bench.json', _bench_rows))
+  return experiments
+
+
+def suite_experiments(suite: str) -> list[Experiment]:
+  """The experiments of ``suite`` ('paper', 'smoke' or 'bench'), in order."""
+  if suite == 'bench':
+    return _bench_experiments()
+  if suite not in ('paper', 'smoke'):
+    raise ValueError(f"suite must be 'paper', 'smoke' or 'bench', got "
+                     f'{suite!r}.')
+  return _experiments(suite)
+
+
+def select(experiments: list[Experiment], only: list[str]
+           ) -> list[Experiment]:
+  """The experiments named in ``only`` (all when empty), in suite order."""
+  names = [e.name for e in experiments]
+  unknown = [name for name in only if name not in names]
+  if unknown:
+    raise ValueError(f'--only names {unknown}, not experiments of this suite; '
+                     f'choose from {names}.')
+  return [e for e in experiments if not only or e.name in only]
+
+
+def finished(experiment: Experiment, workdir: str) -> bool:
+  """Whether ``experiment`` of the suite in ``workdir`` has its result."""
+  return os.path.exists(os.path.join(workdir, experiment.name,
+                                     experiment.result))
+
+
+def command(experiment: Experiment, workdir: str, options: Options
+            ) -> list[str]:
+  return [sys.executable, '-m', experiment.module,
+          *experiment.args(os.path.join(workdir, experiment.name), options)]
+
+
+class _Child:
+  """A running experiment: its output copied to the terminal and its log."""
+
+  def __init__(self, argv: list[str], log_path: str):
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    self._log = open(log_path, 'ab')
+    self._log.write(f'\n$ {" ".join(argv)}\n'.encode())
+    # The repository on the path: `experiments` is not installed with
+    # capsjax in every setup (a wheel install), and the suite may be run
+    # from another directory.
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(
+        filter(None, [REPOSITORY, env.get('PYTHONPATH')]))
+    # Its own session: a Ctrl-C at the terminal reaches the suite alone,
+    # which passes it on once (a second signal stops a training at once,
+    # without its checkpoint).
+    self.process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        start_new_session=True)
+    self._copy = threading.Thread(target=self._copy_output, daemon=True)
+    self._copy.start()
+
+  def _copy_output(self) -> None:
+    out = sys.stdout.buffer
+    while chunk := os.read(self.process.stdout.fileno(), 65536):
+      self._log.write(chunk)
+      out.write(chunk)
+      out.flush()
+
+  def stop(self, signum: int) -> None:
+    """Ask it to save and stop; kill it if it takes longer than the grace."""
+    if self.process.poll() is None:
+      self.process.send_signal(signum)
+    try:
+      self.process.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+      self.process.kill()
+      self.process.wait()
+
+  def close(self) -> int:
+    self._copy.join()
+    self._log.close()
+    return self.process.returncode
+
+
+class _Signals:
+  """SIGINT/SIGTERM to the suite: remembered, and passed on to the child."""
+
+  def __init__(self):
+    self.signum = None
+    self.child: _Child | None = None
+
+  def _handle(self, signum, frame) -> None:
+    self.signum = signum
+    if self.child is not None and self.child.process.poll() is None:
+      self.child.process.send_signal(signum)
+
+  def __enter__(self) -> _Signals:
+    self._previous = {s: signal.signal(s, self._handle)
+                      for s in (signal.SIGINT, signal.SIGTERM)}
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+
+def _load_state(path: str, suite: str) -> dict[str, Any]:
+  if not os.path.exists(path):
+    return {'suite': suite, 'experiments': {}}
+  state = _read(path)
+  if state.get('suite') != suite:
+    raise ValueError(f'{path} belongs to the {state.get("suite")!r} suite; '
+                     f'run --suite={state.get("suite")} there, or choose '
+                     f'another --workdir for --suite={suite}.')
+  return state
+
+
+def _git_commit() -> str | None:
+  from capsjax.training import metrics
+  return metrics.environment().get('git_commit')
+
+
+def run_suite(workdir: str, suite: str, *, only: list[str] = (),
+              max_seconds: float = 0.0, options: Options | None = None,
+              readme: str = '', log: Callable[[str], None] = print) -> int:
+  """Run (or continue) the suite in ``workdir``; the exit status."""
+  from capsjax.training import metrics
+  options = options or Options()
+  by_name = {e.name: e for e in suite_experiments(suite)}
+  experiments = select(list(by_name.values()), list(only))
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  state_path = os.path.join(workdir, 'reproduction.json')
+  state = _load_state(state_path, suite)
+  start = time.monotonic()
+  deadline = start + max_seconds if max_seconds else None
+  for experiment in experiments:
+    state['experiments'].setdefault(
+        experiment.name, {'status': 'not started', 'wall_s': 0.0, 'calls': 0})
+  status = 0
+  with _Signals() as signals:
+    for experiment in experiments:
+      record = state['experiments'][experiment.name]
+      exp_dir = os.path.join(workdir, experiment.name)
+      argv = command(experiment, workdir, options)
+      record['command'] = ' '.join(['python'] + argv[1:])
+      if finished(experiment, workdir):
+        record['status'] = 'finished'
+        continue
+      if reason := experiment.needs(options):
+        record['status'] = reason
+        continue
+      waiting = [name for name in experiment.after
+                 if not finished(by_name[name], workdir)]
+      if waiting:
+        record['status'] = f'waits for {", ".join(waiting)}'
+        continue
+      if deadline is not None and time.monotonic() >= deadline:
+        record['status'] = 'not started: time limit'
+        status = EXIT_TIME_LIMIT
+        continue
+      log(f'=== {experiment.name}: {record["command"]}')
+      began = time.monotonic()
+      child = signals.child = _Child(argv, os.path.join(exp_dir,
+                                                        'reproduce.log'))
+      timed_out = False
+      while child.process.poll() is None:
+        try:
+          child.process.wait(None if deadline is None else
+                             max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+          timed_out = True
+          log(f'=== {experiment.name}: --max_seconds reached; stopping it '
+              f'(it saves a checkpoint of its current step)')
+          child.stop(signal.SIGTERM)
+        if signals.signum is not None:
+          child.stop(signals.signum)
+      code = child.close()
+      signals.child = None
+      record['wall_s'] += time.monotonic() - began
+      record['calls'] += 1
+      if finished(experiment, workdir):
+        record['status'] = 'finished'
+      elif timed_out:
+        record['status'] = 'stopped at the time limit; rerun to continue'
+        status = EXIT_TIME_LIMIT
+      elif signals.signum is not None:
+        record['status'] = 'interrupted; rerun to continue'
+      else:
+        record['status'] = (f'failed (exit {code}); see '
+                            f'{os.path.join(exp_dir, "reproduce.log")}')
+        status = status or 2
+      log(f'=== {experiment.name}: {record["status"]} '
+          f'({time.monotonic() - began:.0f} s)')
+      if signals.signum is not None:
+        break
+    for experiment in experiments:
+      record = state['experiments'][experiment.name]
+      exp_dir = os.path.join(workdir, experiment.name)
+      record['rows'] = (experiment.rows(exp_dir)
+                        if record['status'] == 'finished' else [])
+    state.update(commit=_git_commit(), updated=time.strftime(
+        '%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
+    metrics.write_json_atomic(state_path, state)
+    table = markdown(state, [e.name for e in experiments])
+    with open(os.path.join(workdir, 'REPRODUCTION.md'), 'w') as f:
+      f.write(table)
+    if readme:
+      update_readme(readme, markdown(state, [e.name for e in experiments],
+                                     finished_only=True))
+  if signals.signum is not None:
+    return 128 + signals.signum
+  left = [e.name for e in experiments
+          if state['experiments'][e.name]['status'] != 'finished'
+          and not state['experiments'][e.name]['status'].startswith('skipped')]
+  log(f'{state_path}: {len(experiments) - len(left)} of {len(experiments)} '
+      f'experiments finished or skipped' +
+      (f'; left: {", ".join(left)}' if left else '') +
+      ('; rerun the same command to continue'
+       if status == EXIT_TIME_LIMIT else ''))
+  return status
+
+
+def _percent(value) -> str:
+  return '-' if value is None else f'{100 * value:.2f}%'
+
+
+def _hours(seconds: float) -> str:
+  return f'{seconds / 3600:.2f} h' if seconds >= 3600 else f'{seconds:.0f} s'
+
+
+def markdown(state: dict[str, Any], names: list[str],
+             finished_only: bool = False) -> str:
+  """The rows of ``names`` as a markdown table (bench: its own columns)."""
+  bench = state['suite'] == 'bench'
+  if bench:
+    head = ('| model | train img/s | eval img/s | compile s | peak memory GiB '
+            '| fraction of peak | device | status |\n|---|---|---|---|---|---'
+            '|---|---|\n')
+  else:
+    head = ('| experiment | metric | paper | ours (test) | validation | steps '
+            '| epochs | wall time | img/s | device | commit | status |\n'
+            '|---|---|---|---|---|---|---|---|---|---|---|---|\n')
+  lines = []
+  for name in names:
+    record = state['experiments'].get(name)
+    if record is None or (finished_only and record['status'] != 'finished'):
+      continue
+    rows = record.get('rows') or [{'row': name}]
+    for row in rows:
+      number = lambda key, spec: (  # noqa: E731
+          '-' if row.get(key) is None else format(row[key], spec))
+      if bench:
+        memory = row.get('peak_memory_bytes')
+        lines.append(
+            f"| {row['row']} | {number('test', '.1f')} | "
+            f"{number('eval_images_per_s', '.1f')} | "
+            f"{number('compile_s', '.1f')} | "
+            f"{'-' if memory is None else f'{memory / 2**30:.2f}'} | "
+            f"{number('fraction_of_peak', '.3f')} | {row.get('device', '-')} "
+            f"| {record['status']} |")
+        continue
+      lines.append(
+          f"| {row['row']} | {row.get('metric', '-')} | "
+          f"{row.get('paper', '-')} | {_percent(row.get('test'))} | "
+          f"{_percent(row.get('validation'))} | {row.get('steps', '-')} | "
+          f"{number('epochs', '.2f')} | {_hours(record['wall_s'])} | "
+          f"{number('images_per_s', '.1f')} | {row.get('device', '-')} | "
+          f"{(row.get('commit') or '-')[:7]} | {record['status']} |")
+  return head + '\n'.join(lines) + '\n'
+
+
+def update_readme(path: str, table: str) -> None:
+  """Replace the lines between README_BEGIN and README_END with ``table``."""
+  with open(path) as f:
+    text = f.read()
+  begin, end = text.find(README_BEGIN), text.find(README_END)
+  if begin < 0 or end < begin:
+    raise ValueError(f'{path} has no {README_BEGIN} ... {README_END} block '
+                     f'to write the table into; add the two lines where it '
+                     f'belongs.')
+  begin += len(README_BEGIN)
+  with open(path, 'w') as f:
+    f.write(text[:begin] + '\n' + table + text[end:])
+
+
+def list_suite(workdir: str, suite: str, only: list[str], options: Options
+               ) -> str:
+  """Each selected experiment's status and command, two lines each."""
+  workdir = os.path.abspath(workdir)
+  state = _load_state(os.path.join(workdir, 'reproduction.json'), suite)
+  lines = []
+  for experiment in select(suite_experiments(suite), only):
+    status = ('finished' if finished(experiment, workdir) else
+              experiment.needs(options) or state['experiments'].get(
+                  experiment.name, {}).get('status', 'not started'))
+    lines.append(f'{experiment.name}: {status}\n  python ' + ' '.join(
+        command(experiment, workdir, options)[1:]))
+  return '\n'.join(lines)
+
+
+def main(argv):
+  if not _WORKDIR.value:
+    launcher.usage_error(ValueError('--workdir is required: the directory '
+                                    'of the suite (rerun with the same one '
+                                    'to continue).'))
+  # Absolute: the experiments' own data search is relative to their
+  # working directory.
+  absolute = lambda path: path and os.path.abspath(path)  # noqa: E731
+  options = Options(absolute(_DATA_DIR.value), absolute(_AFFNIST_DIR.value),
+                    absolute(_SMALLNORB_DIR.value), _BENCH_STEPS.value)
+  for flag, path in (('data_dir', options.data_dir),
+                     ('affnist_dir', options.affnist_dir),
+                     ('smallnorb_dir', options.smallnorb_dir)):
+    if path and not os.path.isdir(path):
+      launcher.usage_error(ValueError(f'--{flag}={path} is not a directory.'))
+  if _README.value and not os.path.isfile(_README.value):
+    launcher.usage_error(ValueError(f'--readme={_README.value} is not a '
+                                    f'file.'))
+  if _LIST.value:
+    launcher.run_command(argv, lambda: print(list_suite(
+        _WORKDIR.value, _SUITE.value, _ONLY.value, options)))
+    return
+  result = []
+  launcher.run_command(argv, lambda: result.append(run_suite(
+      _WORKDIR.value, _SUITE.value, only=_ONLY.value,
+      max_seconds=_MAX_SECONDS.value, options=options, readme=_README.value)))
+  sys.exit(result[0] if result else 0)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=launcher.parse_flags)

@@ -1,0 +1,375 @@
+"""experiments.reproduce: the suites, the time limit and resume, the records.
+
+The runner's behaviour is tested on a stand-in experiment without JAX
+(tests/fake_experiment.py); the smoke suite itself runs end to end in the
+slow test at the bottom, which also holds the checks of the per-experiment
+smoke runs it covers (CapsNet and EM learning, two-digit, MultiMNIST,
+affNIST).
+"""
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from experiments import reproduce
+from tests import conftest
+from tests.conftest import REPO
+
+
+def _fake(name, steps, *, step_s=0.02, fail=False, after=(), needs=None):
+  def args(workdir, options):
+    return [f'--workdir={workdir}', f'--steps={steps}', f'--step_s={step_s}'
+            ] + (['--fail'] if fail else [])
+  rows = lambda workdir: [reproduce._run_row(  # noqa: E731
+      reproduce._read(os.path.join(workdir, 'summary.json')), f'row {name}',
+      '1.0%')]
+  return reproduce.Experiment(name, 'tests.fake_experiment', args,
+                              'summary.json', rows,
+                              needs=needs or (lambda options: ''),
+                              after=after)
+
+
+@pytest.fixture
+def fake_suite(monkeypatch):
+  """Replace the 'paper' suite by the experiments the test sets."""
+  suite = []
+  monkeypatch.setattr(reproduce, 'suite_experiments',
+                      lambda name: list(suite))
+  return suite
+
+
+def _state(workdir):
+  return json.load(open(workdir / 'reproduction.json'))
+
+
+def test_time_limit_stops_the_running_experiment_and_a_rerun_finishes(
+    tmp_path, fake_suite, capfd):
+  fake_suite += [_fake('a', 100, step_s=0.03), _fake('b', 3)]
+  status = reproduce.run_suite(str(tmp_path), 'paper', max_seconds=1.0)
+  assert status == reproduce.EXIT_TIME_LIMIT
+  state = _state(tmp_path)
+  a, b = state['experiments']['a'], state['experiments']['b']
+  assert a['status'] == 'stopped at the time limit; rerun to continue'
+  assert b['status'] == 'not started: time limit'
+  assert a['calls'] == 1 and 0.9 < a['wall_s'] < 10
+  stopped = int(open(tmp_path / 'a' / 'step.txt').read())
+  assert 0 < stopped < 100
+  assert f'stopped at step {stopped}' in open(
+      tmp_path / 'a' / 'reproduce.log').read()
+  assert 'rerun the same command to continue' in capfd.readouterr().out
+  first_wall = a['wall_s']
+
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 0
+  state = _state(tmp_path)
+  a, b = state['experiments']['a'], state['experiments']['b']
+  assert a['status'] == b['status'] == 'finished'
+  assert a['calls'] == 2 and a['wall_s'] > first_wall  # both calls added
+  log = open(tmp_path / 'a' / 'reproduce.log').read()
+  assert f'starting at step {stopped}' in log  # resumed, not restarted
+  assert a['rows'] == [{
+      'row': 'row a', 'metric': 'test error', 'paper': '1.0%', 'test': 0.25,
+      'validation': 0.2, 'steps': 100, 'epochs': 10.0, 'images_per_s': 100.0,
+      'device': 'cpu:fake', 'commit': 'abcdef0123'}]
+  table = open(tmp_path / 'REPRODUCTION.md').read()
+  assert '| row a | test error | 1.0% | 25.00% | 20.00% | 100 | 10.00 |' in table
+  assert '| cpu:fake | abcdef0 | finished |' in table
+
+  # A third call finds everything finished and runs nothing.
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 0
+  assert _state(tmp_path)['experiments']['a']['calls'] == 2
+
+
+def test_a_failure_is_recorded_with_its_log_and_the_rest_still_runs(
+    tmp_path, fake_suite):
+  fake_suite += [_fake('broken', 3, fail=True), _fake('fine', 3)]
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 2
+  state = _state(tmp_path)['experiments']
+  log = tmp_path / 'broken' / 'reproduce.log'
+  assert state['broken']['status'] == f'failed (exit 1); see {log}'
+  assert 'failing as asked' in open(log).read()
+  assert state['fine']['status'] == 'finished'
+  assert state['broken']['rows'] == []
+  assert '| broken |' in open(tmp_path / 'REPRODUCTION.md').read()
+
+
+def test_dependencies_wait_and_missing_data_skips(tmp_path, fake_suite):
+  fake_suite += [
+      _fake('attack', 2, after=('model',)),
+      _fake('norb', 2, needs=lambda options: '' if options.smallnorb_dir
+            else 'skipped: no --smallnorb_dir'),
+      _fake('model', 2)]
+  assert reproduce.run_suite(str(tmp_path), 'paper', only=['attack', 'norb']
+                             ) == 0
+  state = _state(tmp_path)['experiments']
+  assert state['attack']['status'] == 'waits for model'
+  assert state['norb']['status'] == 'skipped: no --smallnorb_dir'
+  assert 'model' not in state  # --only
+  reproduce.run_suite(str(tmp_path), 'paper')
+  state = _state(tmp_path)['experiments']
+  assert state['attack']['status'] == 'waits for model'  # model ran after it
+  assert state['model']['status'] == 'finished'
+  reproduce.run_suite(str(tmp_path), 'paper')
+  assert _state(tmp_path)['experiments']['attack']['status'] == 'finished'
+
+
+def test_ctrl_c_is_passed_on_once_and_the_experiment_saves(tmp_path,
+                                                           fake_suite):
+  fake_suite += [_fake('long', 1000, step_s=0.05), _fake('next', 2)]
+  timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+  timer.start()
+  try:
+    status = reproduce.run_suite(str(tmp_path), 'paper')
+  finally:
+    timer.cancel()
+  assert status == 128 + signal.SIGINT
+  state = _state(tmp_path)['experiments']
+  assert state['long']['status'] == 'interrupted; rerun to continue'
+  assert state['next']['status'] == 'not started'
+  assert 'stopped at step' in open(tmp_path / 'long' / 'reproduce.log').read()
+
+
+def test_a_workdir_belongs_to_one_suite(tmp_path, fake_suite):
+  fake_suite.append(_fake('a', 1))
+  reproduce.run_suite(str(tmp_path), 'paper')
+  with pytest.raises(ValueError, match="belongs to the 'paper' suite"):
+    reproduce.run_suite(str(tmp_path), 'smoke')
+
+
+def test_only_names_must_be_experiments_of_the_suite():
+  with pytest.raises(ValueError, match="--only names \\['capsnet'\\].*"
+                     "'capsnet_mnist'"):
+    reproduce.select(reproduce.suite_experiments('paper'), ['capsnet'])
+
+
+def _flags(argv):
+  return dict(arg[2:].split('=', 1) for arg in argv if arg.startswith('--'))
+
+
+@pytest.mark.parametrize('suite', ['paper', 'smoke', 'bench'])
+def test_every_command_names_a_module_a_config_and_its_keys(suite):
+  """Each experiment's module exists, its config file and variant load and
+  every --config.KEY override names a key of that config."""
+  options = reproduce.Options('/data', '/affnist', '/norb', 3)
+  for experiment in reproduce.suite_experiments(suite):
+    argv = reproduce.command(experiment, '/w', options)
+    assert importlib.util.find_spec(experiment.module), experiment
+    flags = _flags(argv)
+    if suite == 'bench':
+      assert flags['steps'] == '3' and flags['output'].startswith('/w/')
+      continue
+    assert flags['workdir'] == f'/w/{experiment.name}'
+    path, _, variant = flags['config'].partition(':')
+    spec = importlib.util.spec_from_file_location('config', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(variant)
+    for key in (k for k in flags if k.startswith('config.')):
+      node = config
+      for part in key.split('.')[1:]:
+        assert part in node, (experiment.name, key)
+        node = node[part]
+    assert ('smoke' in variant or variant == 'small') == (suite == 'smoke'), (
+        experiment.name, variant)
+
+
+def test_paper_suite_order_and_data_flags():
+  options = reproduce.Options('/data', '/affnist', '/norb')
+  experiments = reproduce.suite_experiments('paper')
+  names = [e.name for e in experiments]
+  # The issue's order for scarce GPU time: CapsNet MNIST, matrix capsules
+  # MNIST, the two-digit test, MultiMNIST, then the rest.
+  assert names[:4] == ['capsnet_mnist', 'matrix_capsnet_mnist',
+                       'two_digit_transfer', 'multimnist']
+  assert len(names) == len(set(names)) == 12
+  commands = {e.name: _flags(reproduce.command(e, '/w', options))
+              for e in experiments}
+  assert commands['affnist']['config.affnist_dir'] == '/affnist'
+  assert commands['smallnorb']['config.data_dir'] == '/norb'
+  assert commands['capsnet_fashion_mnist']['config.data_dir'] == '/data'
+  assert commands['adversarial']['models'] == (
+      '/w/capsnet_mnist,/w/baseline_cnn_mnist,/w/matrix_capsnet_mnist')
+  assert 'config.affnist_dir' not in _flags(reproduce.command(
+      experiments[names.index('affnist')], '/w', reproduce.Options()))
+  smallnorb = experiments[names.index('smallnorb')]
+  assert smallnorb.needs(reproduce.Options()).startswith('skipped')
+  assert smallnorb.needs(options) == ''
+
+
+def test_bench_rows_give_the_fraction_of_the_device_peak(tmp_path):
+  from capsjax import flops
+  row = {'model': 'capsnet_mnist', 'batch_size': 128, 'dtype': 'bfloat16',
+         'train_images_per_s': 1280.0, 'eval_images_per_s': 5000.0,
+         'train_step_s': 0.1, 'train_flops_xla': 2e12, 'compile_s': 12.0,
+         'peak_memory_bytes': 3 * 2**30, 'steps': 20,
+         'device': 'gpu:NVIDIA H100 80GB HBM3'}
+  (tmp_path / 'bench.json').write_text(json.dumps({'rows': [
+      row, dict(row, dtype='float32', device='cpu:cpu')]}))
+  h100, cpu = reproduce._bench_rows(str(tmp_path))
+  assert h100['fraction_of_peak'] == pytest.approx(
+      2e12 / 0.1 / flops.DEVICE_PEAKS['H100'].bfloat16_flops)
+  assert cpu['fraction_of_peak'] is None  # no datasheet peak for a CPU
+  state = {'suite': 'bench', 'experiments': {'x': {
+      'status': 'finished', 'wall_s': 30.0, 'rows': [h100]}}}
+  assert ('| capsnet_mnist batch 128 bfloat16 | 1280.0 | 5000.0 | 12.0 | '
+          '3.00 | 0.020 | gpu:NVIDIA H100 80GB HBM3 | finished |'
+          ) in reproduce.markdown(state, ['x'])
+
+
+def test_readme_block_is_replaced_and_a_missing_block_is_named(tmp_path):
+  readme = tmp_path / 'README.md'
+  readme.write_text(f'# t\nbefore\n{reproduce.README_BEGIN}\nold table\n'
+                    f'{reproduce.README_END}\nafter\n')
+  reproduce.update_readme(str(readme), '| new |\n')
+  assert readme.read_text() == (f'# t\nbefore\n{reproduce.README_BEGIN}\n'
+                                f'| new |\n{reproduce.README_END}\nafter\n')
+  (tmp_path / 'plain.md').write_text('# no block\n')
+  with pytest.raises(ValueError, match='has no <!-- reproduction:begin -->'):
+    reproduce.update_readme(str(tmp_path / 'plain.md'), '| new |\n')
+
+
+def test_finished_only_table_keeps_unfinished_rows_out():
+  state = {'suite': 'paper', 'experiments': {
+      'a': {'status': 'finished', 'wall_s': 4000.0, 'rows': [
+          {'row': 'A', 'metric': 'test error', 'paper': '0.25%',
+           'test': 0.003, 'validation': None, 'steps': 10, 'epochs': None,
+           'images_per_s': None, 'device': 'gpu:H100', 'commit': None}]},
+      'b': {'status': 'stopped at the time limit; rerun to continue',
+            'wall_s': 5.0}}}
+  table = reproduce.markdown(state, ['a', 'b'], finished_only=True)
+  assert '| A | test error | 0.25% | 0.30% | - | 10 | - | 1.11 h | - | ' \
+         'gpu:H100 | - | finished |' in table
+  assert '| b |' not in table
+  assert '| b |' in reproduce.markdown(state, ['a', 'b'])
+
+
+def _cli(*args, timeout=120):
+  return subprocess.run([sys.executable, '-m', 'experiments.reproduce', *args],
+                        cwd=REPO, capture_output=True, text=True,
+                        timeout=timeout, env=conftest.training_env())
+
+
+def test_help_and_bad_flags_are_one_line(tmp_path):
+  result = _cli('--help')
+  assert result.returncode in (0, 1), result.stderr
+  for flag in ('--workdir', '--suite', '--only', '--max_seconds',
+               '--data_dir', '--affnist_dir', '--smallnorb_dir', '--list'):
+    assert flag in result.stdout, flag
+  for args, message in (
+      ((), '--workdir is required'),
+      ((f'--workdir={tmp_path}', '--suite=full'), 'suite'),
+      ((f'--workdir={tmp_path}', '--only=capsnet'), "--only names ['capsnet']"),
+      ((f'--workdir={tmp_path}', f'--data_dir={tmp_path / "none"}'),
+       'is not a directory'),
+      ((f'--workdir={tmp_path}', '--max_seconds=-1'), 'max_seconds'),
+  ):
+    result = _cli(*args)
+    assert result.returncode == 2, (args, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error:'), result.stderr
+    assert message in lines[0], (message, lines)
+  assert not os.path.exists(tmp_path / 'reproduction.json')
+
+
+def test_list_prints_each_experiment_and_its_command(tmp_path):
+  result = _cli(f'--workdir={tmp_path}', '--suite=smoke', '--list',
+                '--only=capsnet_mnist,smallnorb')
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.strip().splitlines()
+  assert lines[0] == 'capsnet_mnist: not started'
+  assert lines[1].startswith('  python -m experiments.capsnet_mnist '
+                             f'--workdir={tmp_path}/capsnet_mnist')
+  assert lines[2] == 'smallnorb: skipped: no --smallnorb_dir'
+
+
+def _smoke_suite(workdir, *args):
+  env = conftest.training_env()
+  # Four host devices on the two cores: the EM smoke model's CI claim is
+  # made on four (check_smoke_em), and it is the fast path of every model
+  # here (README, several devices).
+  env['XLA_FLAGS'] = (env['XLA_FLAGS'] +
+                      ' --xla_force_host_platform_device_count=4').strip()
+  return subprocess.run(
+      [sys.executable, '-m', 'experiments.reproduce', f'--workdir={workdir}',
+       '--suite=smoke', *args], cwd=REPO, capture_output=True, text=True,
+      timeout=1800, env=env)
+
+
+@conftest.needs_mnist
+@pytest.mark.slow
+def test_smoke_suite_stops_at_its_time_limit_resumes_and_finishes(tmp_path):
+  """The smoke suite as a user with short time windows runs it: a first
+  call stopped by --max_seconds in the middle of the CapsNet's training,
+  then a call that finishes every experiment, resuming that one. The
+  per-experiment smoke runs' checks then run on the suite's workdirs (this
+  test replaces their own slow tests): the CapsNet and EM learning claims,
+  the two-digit, MultiMNIST and affNIST (a file in the release format)
+  recounts."""
+  from tests import test_affnist_train
+  from tests import test_multimnist_train
+  from tests import test_training_dynamic
+  from tests import test_training_em
+  from tests import test_two_digit_transfer
+  affnist = test_affnist_train.write_affnist_file(tmp_path / 'affnist',
+                                                  conftest.MNIST)
+  workdir = tmp_path / 'suite'
+  # 60 s: past start-up and the first compilation, also on CI's slower
+  # machine (about 15 s here), well before the 450 steps' end.
+  first = _smoke_suite(workdir, '--max_seconds=60',
+                       f'--affnist_dir={tmp_path / "affnist"}')
+  print(first.stdout[-3000:], first.stderr[-3000:])
+  assert first.returncode == reproduce.EXIT_TIME_LIMIT, first.stderr
+  state = _state(workdir)['experiments']
+  assert state['capsnet_mnist']['status'] == (
+      'stopped at the time limit; rerun to continue')
+  log = open(workdir / 'capsnet_mnist' / 'reproduce.log').read()
+  stopped = int(log.split('stopped at step ')[1].split(',')[0])
+  assert 0 < stopped < 450
+  assert state['matrix_capsnet_mnist']['status'] == 'not started: time limit'
+  assert state['smallnorb']['status'] == 'skipped: no --smallnorb_dir'
+
+  second = _smoke_suite(workdir, f'--affnist_dir={tmp_path / "affnist"}')
+  print(second.stdout[-3000:], second.stderr[-3000:])
+  assert second.returncode == 0, second.stdout[-5000:] + second.stderr
+  log = open(workdir / 'capsnet_mnist' / 'reproduce.log').read()
+  assert f'Resuming from the checkpoint of step {stopped} ' in log
+  state = _state(workdir)['experiments']
+  names = [e.name for e in reproduce.suite_experiments('smoke')]
+  assert set(state) == set(names)
+  table = open(workdir / 'REPRODUCTION.md').read()
+  for name in names:
+    if name == 'smallnorb':
+      assert state[name]['status'] == 'skipped: no --smallnorb_dir'
+      continue
+    assert state[name]['status'] == 'finished', (name, state[name])
+    assert state[name]['rows'], name
+    for row in state[name]['rows']:
+      assert 0.0 <= row['test'] <= 1.0, row
+      assert row['row'] in table and row['device'].startswith('cpu')
+  assert state['capsnet_mnist']['calls'] == 2
+  rows = {row['row']: row for name in names for row in state[name]['rows']}
+  capsnet = rows['CapsNet, 3 iterations + reconstruction, MNIST']
+  summary = json.load(open(workdir / 'capsnet_mnist' / 'summary.json'))
+  assert capsnet['test'] == summary['test']['error']
+  assert capsnet['validation'] == summary['validation']['error']
+  assert rows['affNIST, CapsNet']['test'] == json.load(open(
+      workdir / 'affnist' / 'affnist_summary.json'))['models']['capsnet'][
+          'affnist_accuracy']
+  attacked = json.load(open(workdir / 'adversarial' / 'summary.json'))
+  assert set(attacked['models']) == {'capsnet', 'baseline_cnn',
+                                     'matrix_capsnet'}
+  for name, row in attacked['models'].items():
+    # Trained models: the attacks take accuracy down.
+    assert row['bim'][-1] < row['clean_accuracy'] - 0.2, (name, row)
+
+  test_training_dynamic.check_smoke_capsnet(workdir / 'capsnet_mnist')
+  test_training_em.check_smoke_em(workdir / 'matrix_capsnet_mnist')
+  test_two_digit_transfer.check_smoke_workdir(workdir / 'two_digit_transfer',
+                                              conftest.MNIST)
+  test_multimnist_train.check_smoke_workdir(workdir / 'multimnist', 'smoke')
+  test_affnist_train.check_smoke_workdir(workdir / 'affnist', *affnist)
