@@ -28,7 +28,9 @@ WORKDIR/reproduction.json and WORKDIR/REPRODUCTION.md: per row the paper's
 number, ours (test, with validation beside it), steps, epochs, wall time
 (all calls added up), images/s, device and commit. ``--readme=README.md``
 also writes the table of finished rows between the README's
-``<!-- reproduction:begin -->`` and ``<!-- reproduction:end -->`` lines.
+``<!-- reproduction:begin -->`` and ``<!-- reproduction:end -->`` lines;
+with --suite=bench, ``--benchmarks=BENCHMARKS.md`` writes its table there
+under the device's name.
 
 Exit status: 0 when every selected experiment is finished (or skipped for
 want of its data), 3 when --max_seconds stopped the call with work left
@@ -84,6 +86,10 @@ _BENCH_STEPS = flags.DEFINE_integer(
 _README = flags.DEFINE_string(
     'readme', '', "Also write the finished rows into this README's "
     '<!-- reproduction:begin --> ... <!-- reproduction:end --> block.')
+_BENCHMARKS = flags.DEFINE_string(
+    'benchmarks', '', 'With --suite=bench: also write the table into this '
+    "file (BENCHMARKS.md) under the device's name, replacing that device's "
+    'earlier table.')
 _LIST = flags.DEFINE_bool('list', False, "Print the suite's experiments, "
                           'their commands and their status, and exit.')
 
@@ -408,6 +414,7 @@ class _Child:
     self.process = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
         start_new_session=True)
+    self._signalled = False
     self._copy = threading.Thread(target=self._copy_output, daemon=True)
     self._copy.start()
 
@@ -418,10 +425,16 @@ class _Child:
       out.write(chunk)
       out.flush()
 
+  def signal_once(self, signum: int) -> None:
+    """Ask it to save and stop. Once only: a second signal stops a training
+    at once, without its checkpoint."""
+    if not self._signalled and self.process.poll() is None:
+      self._signalled = True
+      self.process.send_signal(signum)
+
   def stop(self, signum: int) -> None:
     """Ask it to save and stop; kill it if it takes longer than the grace."""
-    if self.process.poll() is None:
-      self.process.send_signal(signum)
+    self.signal_once(signum)
     try:
       self.process.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
@@ -443,8 +456,8 @@ class _Signals:
 
   def _handle(self, signum, frame) -> None:
     self.signum = signum
-    if self.child is not None and self.child.process.poll() is None:
-      self.child.process.send_signal(signum)
+    if self.child is not None:
+      self.child.signal_once(signum)
 
   def __enter__(self) -> _Signals:
     self._previous = {s: signal.signal(s, self._handle)
@@ -474,7 +487,8 @@ def _git_commit() -> str | None:
 
 def run_suite(workdir: str, suite: str, *, only: list[str] = (),
               max_seconds: float = 0.0, options: Options | None = None,
-              readme: str = '', log: Callable[[str], None] = print) -> int:
+              readme: str = '', benchmarks: str = '',
+              log: Callable[[str], None] = print) -> int:
   """Run (or continue) the suite in ``workdir``; the exit status."""
   from capsjax.training import metrics
   options = options or Options()
@@ -557,9 +571,12 @@ def run_suite(workdir: str, suite: str, *, only: list[str] = (),
     table = markdown(state, [e.name for e in experiments])
     with open(os.path.join(workdir, 'REPRODUCTION.md'), 'w') as f:
       f.write(table)
+    finished_rows = markdown(state, [e.name for e in experiments],
+                             finished_only=True)
     if readme:
-      update_readme(readme, markdown(state, [e.name for e in experiments],
-                                     finished_only=True))
+      update_readme(readme, finished_rows)
+    if benchmarks:
+      update_benchmarks(benchmarks, state, finished_rows)
   if signals.signum is not None:
     return 128 + signals.signum
   left = [e.name for e in experiments
@@ -622,18 +639,42 @@ def markdown(state: dict[str, Any], names: list[str],
   return head + '\n'.join(lines) + '\n'
 
 
-def update_readme(path: str, table: str) -> None:
-  """Replace the lines between README_BEGIN and README_END with ``table``."""
+def write_block(path: str, table: str, begin: str, end: str,
+                heading: str = '') -> None:
+  """Replace the lines between ``begin`` and ``end`` in ``path`` with
+  ``table``. Without the two lines: an error, or with ``heading``, the
+  heading and the block appended to the file."""
   with open(path) as f:
     text = f.read()
-  begin, end = text.find(README_BEGIN), text.find(README_END)
-  if begin < 0 or end < begin:
-    raise ValueError(f'{path} has no {README_BEGIN} ... {README_END} block '
-                     f'to write the table into; add the two lines where it '
-                     f'belongs.')
-  begin += len(README_BEGIN)
+  start, stop = text.find(begin), text.find(end)
+  if start < 0 or stop < start:
+    if not heading:
+      raise ValueError(f'{path} has no {begin} ... {end} block to write the '
+                       f'table into; add the two lines where it belongs.')
+    text = f'{text.rstrip()}\n\n{heading}\n\n{begin}\n{end}\n'
+    start, stop = text.find(begin), text.find(end)
+  start += len(begin)
   with open(path, 'w') as f:
-    f.write(text[:begin] + '\n' + table + text[end:])
+    f.write(text[:start] + '\n' + table + text[stop:])
+
+
+def update_readme(path: str, table: str) -> None:
+  """The finished rows into README's reproduction block."""
+  write_block(path, table, README_BEGIN, README_END)
+
+
+def update_benchmarks(path: str, state: dict[str, Any], table: str) -> None:
+  """The bench table into ``path`` under its device's name."""
+  devices = sorted({row['device'] for record in state['experiments'].values()
+                    for row in record.get('rows') or [] if row.get('device')})
+  if not devices:
+    return
+  name = ', '.join(devices)
+  write_block(path, table, f'<!-- bench:{name}:begin -->',
+              f'<!-- bench:{name}:end -->',
+              heading=f'## {name} (`python -m experiments.reproduce '
+                      f'--suite=bench`, commit {(state.get("commit") or "?")[:7]}'
+                      f', {state.get("updated")})')
 
 
 def list_suite(workdir: str, suite: str, only: list[str], options: Options
@@ -666,9 +707,13 @@ def main(argv):
                      ('smallnorb_dir', options.smallnorb_dir)):
     if path and not os.path.isdir(path):
       launcher.usage_error(ValueError(f'--{flag}={path} is not a directory.'))
-  if _README.value and not os.path.isfile(_README.value):
-    launcher.usage_error(ValueError(f'--readme={_README.value} is not a '
-                                    f'file.'))
+  for flag, path in (('readme', _README.value),
+                     ('benchmarks', _BENCHMARKS.value)):
+    if path and not os.path.isfile(path):
+      launcher.usage_error(ValueError(f'--{flag}={path} is not a file.'))
+  if _BENCHMARKS.value and _SUITE.value != 'bench':
+    launcher.usage_error(ValueError('--benchmarks goes with --suite=bench '
+                                    '(--readme takes the paper rows).'))
   if _LIST.value:
     launcher.run_command(argv, lambda: print(list_suite(
         _WORKDIR.value, _SUITE.value, _ONLY.value, options)))
@@ -676,7 +721,8 @@ def main(argv):
   result = []
   launcher.run_command(argv, lambda: result.append(run_suite(
       _WORKDIR.value, _SUITE.value, only=_ONLY.value,
-      max_seconds=_MAX_SECONDS.value, options=options, readme=_README.value)))
+      max_seconds=_MAX_SECONDS.value, options=options, readme=_README.value,
+      benchmarks=_BENCHMARKS.value)))
   sys.exit(result[0] if result else 0)
 
 

@@ -2,9 +2,10 @@
 
   python -m tests.fake_experiment --workdir=W --steps=N [--step_s=S] [--fail]
 
-Like a training run it resumes (its step is kept in W/step.txt), saves and
-exits 130 / 143 on SIGINT / SIGTERM, and writes W/summary.json when done;
---fail exits 1 at once.
+Like a training run it resumes (its step is kept in W/step.txt), saves
+(taking --save_s) and exits 130 / 143 on SIGINT / SIGTERM, stops without
+saving on a second signal, and writes W/summary.json when done; --fail
+exits 1 at once.
 """
 
 import argparse
@@ -20,6 +21,7 @@ def main() -> None:
   parser.add_argument('--workdir', required=True)
   parser.add_argument('--steps', type=int, required=True)
   parser.add_argument('--step_s', type=float, default=0.02)
+  parser.add_argument('--save_s', type=float, default=0.0)
   parser.add_argument('--fail', action='store_true')
   args = parser.parse_args()
   if args.fail:
@@ -36,6 +38,13 @@ def main() -> None:
     time.sleep(args.step_s)
     step += 1
     if stop:
+      # Saving takes save_s; a second signal meanwhile stops at once, with
+      # nothing saved (as a training run does).
+      time.sleep(args.save_s)
+      if len(stop) > 1:
+        print('fake experiment: second signal, stopped without saving',
+              flush=True)
+        sys.exit(1)
       with open(step_file, 'w') as f:
         f.write(str(step))
       print(f'fake experiment: stopped at step {step}', flush=True)

@@ -22,10 +22,11 @@ from tests import conftest
 from tests.conftest import REPO
 
 
-def _fake(name, steps, *, step_s=0.02, fail=False, after=(), needs=None):
+def _fake(name, steps, *, step_s=0.02, save_s=0.0, fail=False, after=(),
+          needs=None):
   def args(workdir, options):
-    return [f'--workdir={workdir}', f'--steps={steps}', f'--step_s={step_s}'
-            ] + (['--fail'] if fail else [])
+    return [f'--workdir={workdir}', f'--steps={steps}', f'--step_s={step_s}',
+            f'--save_s={save_s}'] + (['--fail'] if fail else [])
   rows = lambda workdir: [reproduce._run_row(  # noqa: E731
       reproduce._read(os.path.join(workdir, 'summary.json')), f'row {name}',
       '1.0%')]
@@ -373,3 +374,68 @@ def test_smoke_suite_stops_at_its_time_limit_resumes_and_finishes(tmp_path):
                                               conftest.MNIST)
   test_multimnist_train.check_smoke_workdir(workdir / 'multimnist', 'smoke')
   test_affnist_train.check_smoke_workdir(workdir / 'affnist', *affnist)
+
+
+def test_bench_table_goes_under_its_device_and_replaces_its_last_one(
+    tmp_path):
+  path = tmp_path / 'BENCHMARKS.md'
+  path.write_text('# Benchmarks\n\nearlier text\n')
+  row = {'row': 'm batch 8 float32', 'test': 10.0, 'device': 'gpu:NVIDIA H100'}
+  state = {'suite': 'bench', 'commit': 'abcdef012', 'updated': 'T',
+           'experiments': {'m': {'status': 'finished', 'wall_s': 1.0,
+                                 'rows': [row]}}}
+  reproduce.update_benchmarks(str(path), state, '| first |\n')
+  reproduce.update_benchmarks(str(path), state, '| second |\n')
+  text = path.read_text()
+  assert text.startswith('# Benchmarks\n\nearlier text\n\n## gpu:NVIDIA H100 '
+                         '(`python -m experiments.reproduce --suite=bench`, '
+                         'commit abcdef0, T)\n')
+  assert '| second |' in text and '| first |' not in text
+  assert text.count('<!-- bench:gpu:NVIDIA H100:begin -->') == 1
+
+
+def test_bench_suite_runs_the_benchmark_for_both_dtypes(tmp_path):
+  """Two rows of the real bench suite on this CPU, 1 timed step each."""
+  (tmp_path / 'BENCHMARKS.md').write_text('# B\n')
+  only = 'capsnet_mnist_smoke_float32,capsnet_mnist_smoke_bfloat16'
+  result = _cli(f'--workdir={tmp_path / "w"}', '--suite=bench',
+                f'--only={only}', '--bench_steps=1',
+                f'--benchmarks={tmp_path / "BENCHMARKS.md"}', timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+  state = _state(tmp_path / 'w')['experiments']
+  for name, dtype in (('capsnet_mnist_smoke_float32', 'float32'),
+                      ('capsnet_mnist_smoke_bfloat16', 'bfloat16')):
+    assert state[name]['status'] == 'finished'
+    (row,) = state[name]['rows']
+    assert row['row'] == f'capsnet_mnist:smoke batch 64 {dtype}'
+    assert row['test'] > 0 and row['eval_images_per_s'] > 0
+    assert row['compile_s'] > 0 and row['peak_memory_bytes'] > 0
+    assert row['fraction_of_peak'] is None  # a CPU has no datasheet peak
+  text = (tmp_path / 'BENCHMARKS.md').read_text()
+  assert '## cpu:cpu (`python -m experiments.reproduce --suite=bench`' in text
+  assert '| capsnet_mnist:smoke batch 64 bfloat16 |' in text
+  assert _cli(f'--workdir={tmp_path}', '--suite=paper',
+              f'--benchmarks={tmp_path / "BENCHMARKS.md"}').returncode == 2
+
+
+def test_ctrl_c_then_the_time_limit_signal_the_experiment_once(
+    tmp_path, fake_suite, monkeypatch):
+  """Ctrl-C is passed on; when the time limit then falls while the
+  experiment is still saving, no second signal follows (that one would stop
+  a training without its checkpoint)."""
+  sent = []
+  original = subprocess.Popen.send_signal
+  monkeypatch.setattr(subprocess.Popen, 'send_signal',
+                      lambda self, signum: (sent.append(signum),
+                                            original(self, signum)))
+  # Saving takes 2 s; the time limit falls 1 s into it.
+  fake_suite.append(_fake('long', 1000, step_s=0.05, save_s=2.0))
+  timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+  timer.start()
+  try:
+    status = reproduce.run_suite(str(tmp_path), 'paper', max_seconds=2.0)
+  finally:
+    timer.cancel()
+  assert status == 128 + signal.SIGINT
+  assert sent == [signal.SIGINT]
+  assert 'stopped at step' in open(tmp_path / 'long' / 'reproduce.log').read()
