@@ -36,6 +36,10 @@ def em_defaults(config):
   # layer's grid, or 'authors', each position's receptive-field centre in
   # input pixels, centred and divided by 100 (the released code).
   config.model_options.coordinate_form = 'grid'
+  # The conv-capsule E-step: False normalises each child's assignments
+  # within each K x K window (the paper's procedure, window by window);
+  # True across every parent that receives its votes (the released code).
+  config.model_options.normalize_across_positions = False
   # capsjax's routing option set (results/em_mnist_trials): the paper's
   # lambda schedule (0.01 (1 - 0.95^(t+1))) leaves every activation near
   # sigmoid(0) at our cost scale, so nothing learns; cost normalisation with
