@@ -591,8 +591,15 @@ def pair_predictions_figure(images: ArrayLike, labels: ArrayLike,
                        f'shape {s.shape}.')
   columns = max(1, min(columns, len(images)))
   rows = -(-len(images) // columns)
-  fig = _figure(3.2 * columns, (1.8 + 0.3 * len(scores)) * rows)
-  axes = fig.subplots(rows, columns, squeeze=False)
+  # Inches per row: the image at its aspect (stacked pairs are twice as
+  # high as wide), and below it the title of the next row and a score line
+  # per model, which are placed in points so that they never reach the
+  # next row whatever the panel's height.
+  panel = 1.5 * max(images.shape[1] / images.shape[2], 0.5)
+  text_height = 0.4 + 0.17 * len(scores)
+  fig = _figure(3.2 * columns, (panel + text_height) * rows)
+  axes = fig.subplots(rows, columns, squeeze=False,
+                      gridspec_kw={'hspace': text_height / panel})
   for ax in axes.flat[len(images):]:
     ax.axis('off')
   for n, ax in enumerate(axes.flat[:len(images)]):
@@ -613,8 +620,9 @@ def pair_predictions_figure(images: ArrayLike, labels: ArrayLike,
                 'tab:orange' if right else _HIGHLIGHT)
       text = ', '.join(f'{_class_name(int(k), class_names)} ({s[n, k]:.2f})'
                        for k in top)
-      ax.text(0.5, -0.08 - 0.22 * line, f'{name}: {text}', color=colour,
-              fontsize=8, ha='center', va='top', transform=ax.transAxes)
+      ax.annotate(f'{name}: {text}', (0.5, 0.0), xycoords='axes fraction',
+                  xytext=(0, -3 - 11 * line), textcoords='offset points',
+                  color=colour, fontsize=8, ha='center', va='top')
   return _save(fig, path)
 
 

@@ -297,3 +297,25 @@ def test_attack_accuracy_figure(tmp_path):
     figures.attack_accuracy_figure([0.0, 0.1, 0.3], {'fgsm': {'a': [1.0]}})
   with pytest.raises(ValueError, match='no attack'):
     figures.attack_accuracy_figure([0.0], {})
+
+
+@pytest.mark.parametrize('shape', [(56, 28), (28, 56)])
+def test_pair_predictions_lines_stay_above_the_next_row(shape):
+  """Each model's score line under a pair, in either layout, ends above the
+  title of the pair below it (stacked pairs once overlapped it)."""
+  rng = np.random.default_rng(0)
+  images = rng.uniform(size=(4, *shape, 1)).astype(np.float32)
+  labels = np.array([[1, 2], [3, 4], [5, 6], [7, 8]])
+  scores = {'baseline': rng.uniform(size=(4, 10)),
+            'capsnet': rng.uniform(size=(4, 10))}
+  fig = figures.pair_predictions_figure(images, labels, scores, columns=2)
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  canvas = FigureCanvasAgg(fig)
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  top, below = fig.axes[0], fig.axes[2]  # the same column, rows 1 and 2
+  lowest_line = min(t.get_window_extent(renderer).y0 for t in top.texts)
+  title = below.title.get_window_extent(renderer)
+  assert lowest_line > title.y1, (lowest_line, title)
+  assert top.get_window_extent(renderer).y0 > max(
+      t.get_window_extent(renderer).y1 for t in top.texts)
