@@ -419,11 +419,16 @@ class _Child:
     self._copy.start()
 
   def _copy_output(self) -> None:
-    out = sys.stdout.buffer
+    # Bytes as they come (progress bars redraw with \r); a notebook's
+    # stdout takes text only.
+    out = getattr(sys.stdout, 'buffer', None)
     while chunk := os.read(self.process.stdout.fileno(), 65536):
       self._log.write(chunk)
-      out.write(chunk)
-      out.flush()
+      if out is None:
+        sys.stdout.write(chunk.decode(errors='replace'))
+      else:
+        out.write(chunk)
+      sys.stdout.flush()
 
   def signal_once(self, signum: int) -> None:
     """Ask it to save and stop. Once only: a second signal stops a training
