@@ -599,7 +599,7 @@ def _percent(value) -> str:
   return '-' if value is None else f'{100 * value:.2f}%'
 
 
-def _hours(seconds: float) -> str:
+def _wall_time(seconds: float) -> str:
   return f'{seconds / 3600:.2f} h' if seconds >= 3600 else f'{seconds:.0f} s'
 
 
@@ -638,7 +638,7 @@ def markdown(state: dict[str, Any], names: list[str],
           f"| {row['row']} | {row.get('metric', '-')} | "
           f"{row.get('paper', '-')} | {_percent(row.get('test'))} | "
           f"{_percent(row.get('validation'))} | {row.get('steps', '-')} | "
-          f"{number('epochs', '.2f')} | {_hours(record['wall_s'])} | "
+          f"{number('epochs', '.2f')} | {_wall_time(record['wall_s'])} | "
           f"{number('images_per_s', '.1f')} | {row.get('device', '-')} | "
           f"{(row.get('commit') or '-')[:7]} | {record['status']} |")
   return head + '\n'.join(lines) + '\n'
