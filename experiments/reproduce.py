@@ -487,11 +487,6 @@ def _load_state(path: str, suite: str) -> dict[str, Any]:
   return state
 
 
-def _git_commit() -> str | None:
-  from capsjax.training import metrics
-  return metrics.environment().get('git_commit')
-
-
 def run_suite(workdir: str, suite: str, *, only: list[str] = (),
               max_seconds: float = 0.0, options: Options | None = None,
               readme: str = '', benchmarks: str = '',
@@ -572,7 +567,10 @@ def run_suite(workdir: str, suite: str, *, only: list[str] = (),
       exp_dir = os.path.join(workdir, experiment.name)
       record['rows'] = (experiment.rows(exp_dir)
                         if record['status'] == 'finished' else [])
-    state.update(commit=_git_commit(), updated=time.strftime(
+    # The commit alone: metrics.environment() would start a JAX backend
+    # here, and on a GPU this process would then hold the memory its
+    # experiments need.
+    state.update(commit=metrics.git_commit(), updated=time.strftime(
         '%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
     metrics.write_json_atomic(state_path, state)
     table = markdown(state, [e.name for e in experiments])

@@ -465,3 +465,23 @@ def test_ctrl_c_then_the_time_limit_signal_the_experiment_once(
   assert status == 128 + signal.SIGINT
   assert sent == [signal.SIGINT]
   assert 'stopped at step' in open(tmp_path / 'long' / 'reproduce.log').read()
+
+
+def test_the_suite_process_starts_no_jax_backend(tmp_path):
+  """The experiments train in child processes; a backend in the suite's own
+  process would hold a GPU's memory (JAX preallocates it) meanwhile."""
+  script = f'''
+import os
+from experiments import reproduce
+from tests import test_reproduce
+reproduce.suite_experiments = lambda name: [test_reproduce._fake('a', 2)]
+assert reproduce.run_suite({str(tmp_path)!r}, 'paper') == 0
+from jax._src import xla_bridge
+print('backends', xla_bridge.backends_are_initialized())
+'''
+  result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=conftest.training_env())
+  assert result.returncode == 0, result.stderr
+  assert 'backends False' in result.stdout, result.stdout
+  assert _state(tmp_path)['commit']  # the commit is still recorded

@@ -116,10 +116,16 @@ def _git(*args: str) -> str | None:
     return None
 
 
+def git_commit() -> str | None:
+  """HEAD of the checkout this code is in (None outside one). Starts no
+  JAX backend."""
+  return _git('rev-parse', 'HEAD') or None
+
+
 def environment() -> dict[str, Any]:
   """Where and with what code this runs: device, versions, git commit (and
   whether the working tree had uncommitted changes)."""
-  commit = _git('rev-parse', 'HEAD') or None
+  commit = git_commit()
   status = _git('status', '--porcelain', '--untracked-files=no')
   device = jax.devices()[0]
   return {
