@@ -6,7 +6,8 @@
 Variants: smoke (a small model, A=32, B=4, C=D=8, two EM iterations, on the
 central 24x24; the CI test's), fashion
 (Fashion-MNIST), small (A=64, B=8, C=D=16, the 68K model), paper (the
-paper's routing options instead of capsjax's; see em_defaults).
+paper's routing options instead of capsjax's; see em_defaults), authors
+(the released code's routing options; see authors_routing).
 """
 
 from experiments.configs import common
@@ -59,6 +60,14 @@ def em_defaults(config):
   config.model_options.normalize_cost = True
   config.model_options.inverse_temperature = 1.0
   config.model_options.transform_std = 1.0
+  # The remaining routing options, at the paper's printed procedure; the
+  # variant 'authors' sets the released code's values (authors_routing).
+  config.model_options.activation_form = 'paper'
+  config.model_options.center_momentum = 0.0
+  config.model_options.variance_epsilon = 1e-4
+  config.model_options.init = 'paper'
+  # None: the class layer uses inverse_temperature.
+  config.model_options.class_inverse_temperature = None
   return config
 
 
@@ -68,6 +77,27 @@ def paper_routing(config):
   config.model_options.normalize_cost = False
   config.model_options.inverse_temperature = None
   config.model_options.transform_std = None
+  return config
+
+
+def authors_routing(config):
+  """The released code's routing options (google-research capsule_em).
+
+  The paper's 3 iterations and lambda schedule, plus: its activation logit
+  lambda (-mass (sum_h log var_h + 16 beta_u (log 2 pi + 1)) - 5000 beta_a),
+  final lambda / 4 in the class layer, mu = 0.9 new + 0.1 old, the variance
+  floor 0.0005, its initialisation (std 0.3 / 0.01, beta 0.5 / 1.0, 2.0) and
+  each child's E-step normalised over every parent that receives its votes.
+  """
+  paper_routing(config)
+  iterations = config.model_options.num_iterations
+  config.model_options.class_inverse_temperature = tuple(
+      0.0025 * (1.0 - 0.95**(t + 1)) for t in range(iterations))
+  config.model_options.activation_form = 'authors'
+  config.model_options.center_momentum = 0.1
+  config.model_options.variance_epsilon = 5e-4
+  config.model_options.init = 'authors'
+  config.model_options.normalize_across_positions = True
   return config
 
 
@@ -125,11 +155,13 @@ def get_config(variant: str = ''):
       config.model_options.D = 16
     elif part == 'paper':
       paper_routing(config)
+    elif part == 'authors':
+      authors_routing(config)
     elif part == 'fashion':
       config.dataset = 'fashion_mnist'
       config.shorter_run = common.smoke_run('matrix_capsnet_mnist.py:smoke,'
                                             'fashion')
     else:
       raise ValueError(f'unknown variant {part!r} of matrix_capsnet_mnist; '
-                       f'known: smoke, small, paper, fashion.')
+                       f'known: smoke, small, paper, authors, fashion.')
   return config

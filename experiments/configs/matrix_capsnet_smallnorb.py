@@ -9,7 +9,8 @@ files (smallnorb-5x46789x9x18x6x2x96x96-{training,testing}-{dat,cat,info}.mat,
 gz or not) in data_dir, or install capsjax[tfds] on a machine online.
 
 Variants: small (A=64, B=8, C=D=16: the 68K model), azimuth / elevation
-(novel-viewpoint splits), paper (the paper's routing options), mono (one
+(novel-viewpoint splits), paper (the paper's routing options), authors
+(the released code's routing options), mono (one
 stereo image), smoke (tiny, for tests).
 """
 
@@ -36,6 +37,8 @@ def get_config(variant: str = ''):
       config.viewpoint_split = part
     elif part == 'paper':
       matrix_capsnet_mnist.paper_routing(config)
+    elif part == 'authors':
+      matrix_capsnet_mnist.authors_routing(config)
     elif part == 'mono':
       config.stereo = False
       config.model_options.input_shape = (32, 32, 1)
@@ -52,5 +55,5 @@ def get_config(variant: str = ''):
       config.log_every_steps = 5
     else:
       raise ValueError(f'unknown variant {part!r} of matrix_capsnet_smallnorb; '
-                       f'known: small, azimuth, elevation, paper, mono, smoke.')
+                       f'known: small, azimuth, elevation, paper, authors, mono, smoke.')
   return config
