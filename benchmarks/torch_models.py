@@ -7,15 +7,20 @@ capsjax model of the same name (same shapes, same FLOPs): it is what a
 PyTorch user would write, not a port of capsjax's code. Only
 ``experiments.benchmark`` imports this module, and only with
 ``--compare=torch``; torch is the optional extra ``pip install -e
-'.[bench]'``. The matrix-capsule (EM) models have no reference here.
+'.[bench]'``. The matrix-capsule reference covers the routing options the
+shipped EM configs use (the paper's activation, within-window E-step);
+other options raise rather than time a different model.
 
-Shape legend: B batch, I input capsules, J output capsules, D dimensions.
+Shape legend: B batch, I input capsules, J (or O) output capsules, D
+dimensions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+
+import math
 
 import torch
 from torch import nn
@@ -184,6 +189,141 @@ class TwoDigitCapsNet(nn.Module):
     return {'scores': torch.sqrt((v * v).sum(-1) + 1e-7)}
 
 
+def em_routing(votes: torch.Tensor, activations: torch.Tensor,
+               beta_u: torch.Tensor, beta_a: torch.Tensor,
+               inverse_temperatures: Sequence[float], *,
+               normalize_cost: bool, variance_floor: float = 1e-4
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+  """Hinton et al.'s EM routing: votes [N, I, O, D], activations [N, I] ->
+  (poses [N, O, D], activations [N, O]); one iteration per lambda."""
+  num_out, dim = votes.shape[2], votes.shape[3]
+  log_r = votes.new_full(votes.shape[:3], -math.log(num_out))
+  for t, lam in enumerate(inverse_temperatures):
+    weights = log_r.exp() * activations.unsqueeze(-1)  # [N, I, O]
+    mass = weights.sum(1)  # [N, O]
+    weights = (weights / (mass.unsqueeze(1) + 1e-6)).unsqueeze(-1)
+    mu = (weights * votes).sum(1)  # [N, O, D]
+    sq = (votes - mu.unsqueeze(1)) ** 2
+    log_var = torch.log((weights * sq).sum(1) + variance_floor)
+    cost = (dim * beta_u + 0.5 * log_var.sum(-1)) * mass
+    if normalize_cost:
+      mean = cost.mean(-1, keepdim=True)
+      std = torch.sqrt(((cost - mean) ** 2).mean(-1, keepdim=True) + 1e-12)
+      cost = (cost - mean) / std
+    logits = lam * (beta_a - cost)
+    if t < len(inverse_temperatures) - 1:
+      log_p = -0.5 * ((sq * torch.exp(-log_var).unsqueeze(1)).sum(-1)
+                      + (log_var + math.log(2 * math.pi)).sum(-1).unsqueeze(1))
+      log_r = torch.log_softmax(F.logsigmoid(logits).unsqueeze(1) + log_p, -1)
+  return mu, torch.sigmoid(logits)
+
+
+def _lambdas(inverse_temperature, iterations: int) -> list[float]:
+  if inverse_temperature is None:  # the authors' schedule
+    return [0.01 * (1 - 0.95 ** (t + 1)) for t in range(iterations)]
+  if isinstance(inverse_temperature, (int, float)):
+    return [float(inverse_temperature)] * iterations
+  return [float(x) for x in inverse_temperature]
+
+
+class _ConvCaps(nn.Module):
+  """EM routing inside every K x K window: poses [B, H, W, C, 16],
+  activations [B, H, W, C] -> [B, H', W', O, 16], [B, H', W', O]."""
+
+  def __init__(self, in_types, out_types, kernel, stride, lambdas,
+               normalize_cost, variance_floor, transform_std):
+    super().__init__()
+    self.kernel, self.stride = kernel, stride
+    self.lambdas, self.normalize_cost = lambdas, normalize_cost
+    self.variance_floor = variance_floor
+    self.weights = nn.Parameter(transform_std * torch.randn(
+        kernel * kernel * in_types, out_types, 4, 4))
+    self.beta_u = nn.Parameter(torch.zeros(out_types))
+    self.beta_a = nn.Parameter(torch.zeros(out_types))
+
+  def forward(self, poses, acts):
+    k, s = self.kernel, self.stride
+    # unfold puts the window taps last: [B, H', W', C, 16, K, K].
+    poses = poses.unfold(1, k, s).unfold(2, k, s)
+    b, h, w = poses.shape[:3]
+    poses = poses.permute(0, 1, 2, 5, 6, 3, 4).reshape(b, h, w, -1, 4, 4)
+    acts = acts.unfold(1, k, s).unfold(2, k, s).permute(0, 1, 2, 4, 5, 3)
+    votes = torch.einsum('bhwipq,ioqr->bhwiopr', poses, self.weights)
+    num_in, num_out = votes.shape[3], votes.shape[4]
+    mu, a = em_routing(votes.reshape(-1, num_in, num_out, 16),
+                       acts.reshape(-1, num_in), self.beta_u, self.beta_a,
+                       self.lambdas, normalize_cost=self.normalize_cost,
+                       variance_floor=self.variance_floor)
+    return mu.view(b, h, w, num_out, 16), a.view(b, h, w, num_out)
+
+
+class MatrixCapsNet(nn.Module):
+  """ReLU Conv1 A@5x5/2, primary capsules B (1x1), ConvCaps C (3/2), ConvCaps
+  D (3/1), class capsules (shared transforms, coordinate addition)."""
+
+  def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
+               num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
+               D: int = 32, num_iterations: int = 3, caps1_iterations: int = 0,
+               coordinate_addition: bool = True, conv1_kernel: int = 5,
+               conv1_stride: int = 2, caps1_kernel: int = 3,
+               caps1_stride: int = 2, caps2_kernel: int = 3,
+               caps2_stride: int = 1, inverse_temperature=None,
+               class_inverse_temperature=None, normalize_cost: bool = False,
+               transform_std: float | None = None,
+               variance_epsilon: float = 1e-4, activation_form: str = 'paper',
+               normalize_across_positions: bool = False,
+               center_momentum: float = 0.0, init: str = 'paper', **unused):
+    super().__init__()
+    if (activation_form != 'paper' or normalize_across_positions or
+        center_momentum or init != 'paper'):
+      raise ValueError('the PyTorch EM reference has the paper activation, '
+                       'within-window E-step, no centre momentum and the '
+                       "'paper' init only (the shipped configs' options).")
+    height, width, channels = input_shape
+    std = 0.5 if transform_std is None else transform_std
+    lambdas = _lambdas(inverse_temperature, num_iterations)
+    self.conv1 = nn.Conv2d(channels, A, conv1_kernel, stride=conv1_stride)
+    self.primary = nn.Conv2d(A, B * 17, 1)
+    self.num_primary = B
+    self.caps1 = _ConvCaps(
+        B, C, caps1_kernel, caps1_stride,
+        _lambdas(inverse_temperature, caps1_iterations or num_iterations),
+        normalize_cost, variance_epsilon, std)
+    self.caps2 = _ConvCaps(C, D, caps2_kernel, caps2_stride, lambdas,
+                           normalize_cost, variance_epsilon, std)
+    self.class_lambdas = (lambdas if class_inverse_temperature is None else
+                          _lambdas(class_inverse_temperature, num_iterations))
+    self.normalize_cost = normalize_cost
+    self.variance_floor = variance_epsilon
+    self.coordinate_addition = coordinate_addition
+    self.class_weights = nn.Parameter(std * torch.randn(D, num_classes, 4, 4))
+    self.beta_u = nn.Parameter(torch.zeros(num_classes))
+    self.beta_a = nn.Parameter(torch.zeros(num_classes))
+
+  def forward(self, images: torch.Tensor, labels: torch.Tensor):
+    del labels
+    x = F.relu(self.conv1(images))
+    x = self.primary(x).permute(0, 2, 3, 1)  # [B, H, W, 17 B]
+    b = self.num_primary
+    poses = x[..., :16 * b].unflatten(-1, (b, 16))
+    acts = torch.sigmoid(x[..., 16 * b:])
+    poses, acts = self.caps1(poses, acts)
+    poses, acts = self.caps2(poses, acts)
+    batch, h, w, d = acts.shape
+    votes = torch.einsum('bhwcpq,coqr->bhwcopr', poses.unflatten(-1, (4, 4)),
+                         self.class_weights).flatten(-2)
+    if self.coordinate_addition:  # the scaled centre of each position
+      offsets = torch.zeros(h, w, 1, 1, 16)
+      offsets[..., 0] = ((torch.arange(h) + 0.5) / h).view(h, 1, 1, 1)
+      offsets[..., 1] = ((torch.arange(w) + 0.5) / w).view(1, w, 1, 1)
+      votes = votes + offsets
+    _, a = em_routing(votes.reshape(batch, h * w * d, votes.shape[-2], 16),
+                      acts.reshape(batch, -1), self.beta_u, self.beta_a,
+                      self.class_lambdas, normalize_cost=self.normalize_cost,
+                      variance_floor=self.variance_floor)
+    return {'activations': a}
+
+
 def _margin_loss(lengths, labels, negative_weight=0.5):
   one_hot = F.one_hot(labels, lengths.shape[-1]).to(lengths.dtype)
   return (one_hot * F.relu(0.9 - lengths) ** 2 + negative_weight * (
@@ -192,7 +332,14 @@ def _margin_loss(lengths, labels, negative_weight=0.5):
 
 def loss(outputs: dict[str, torch.Tensor], images: torch.Tensor,
          labels: torch.Tensor, reconstruction_weight: float) -> torch.Tensor:
-  """The loss capsjax's dynamic-routing family trains the same model with."""
+  """The loss capsjax trains the same model with (the spread loss at its
+  smallest margin for the EM models; its weight decay is in the step)."""
+  if 'activations' in outputs:
+    a = outputs['activations']
+    target = a.gather(1, labels.unsqueeze(1))
+    gaps = F.relu(0.2 - (target - a)) ** 2
+    return (gaps * (1 - F.one_hot(labels, a.shape[-1]).to(a.dtype))).sum(
+        -1).mean()
   if 'logits' in outputs:
     return F.cross_entropy(outputs['logits'], labels)
   if 'lengths' in outputs:
@@ -209,13 +356,15 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     'baseline_cnn': BaselineCNN,
     'two_digit_baseline': TwoDigitBaseline,
     'two_digit_capsnet': TwoDigitCapsNet,
+    'matrix_capsnet': MatrixCapsNet,
 }
 
 
 def train_step_fn(model_name: str, options: dict, batch_size: int,
                   image_shape: Sequence[int], num_classes: int,
                   learning_rate: float, reconstruction_weight: float,
-                  num_threads: int, seed: int = 0) -> Callable[[], float]:
+                  num_threads: int, seed: int = 0,
+                  weight_decay: float = 0.0) -> Callable[[], float]:
   """A callable doing one full train step (forward, backward, Adam) on a
   fixed random batch in float32 on the CPU; returns the loss."""
   if model_name not in MODELS:
@@ -226,7 +375,12 @@ def train_step_fn(model_name: str, options: dict, batch_size: int,
   height, width, channels = image_shape
   if model_name in ('capsnet', 'baseline_cnn'):
     options = options | {'input_shape': (height, width, channels)}
+  elif model_name == 'matrix_capsnet':
+    # The crop the model sees (smallNORB is stored at 48x48).
+    height, width, channels = options['input_shape']
   model = MODELS[model_name](**options)
+  # The L2 penalty of capsjax's EM step: matrices and kernels, not biases.
+  penalized = [p for p in model.parameters() if p.ndim > 1]
   model.train()
   optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
   images = torch.rand(batch_size, channels, height, width)
@@ -237,6 +391,8 @@ def train_step_fn(model_name: str, options: dict, batch_size: int,
     optimizer.zero_grad(set_to_none=True)
     value = loss(model(images, labels), labels_images, labels,
                  reconstruction_weight)
+    if weight_decay:
+      value = value + weight_decay * sum((p * p).sum() for p in penalized)
     value.backward()
     optimizer.step()
     return float(value)

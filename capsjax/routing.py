@@ -255,15 +255,19 @@ def _inverse_temperatures(inverse_temperature, num_iterations: int
 
 
 class EMRoutingState(NamedTuple):
-  log_assignments: jax.Array  # log R: [..., I, O]
+  log_assignments: jax.Array  # log R, parent-major: [..., O, I]
   poses: jax.Array  # mu: [..., O, D]
   log_variances: jax.Array  # log sigma^2: [..., O, D]
   activation_logits: jax.Array  # logit of a_j: [..., O]
 
 
-def log_softmax_over_parents(logits: jax.Array) -> jax.Array:
-  """The E-step's normaliser: each child's R sums to 1 over the O parents."""
-  return jax.nn.log_softmax(logits, axis=-1)
+# EM routing works parent-major: votes [..., O, I, D], assignments [..., O, I].
+# Every weighted sum over the children is then a batched matrix-vector
+# product whose batch dims (..., O) already lead, so XLA runs it without a
+# layout copy of the votes; child-major votes [..., I, O, D] made XLA:CPU
+# either copy them into that order or materialise the [..., I, O] weights
+# broadcast over D (1.48x slower train step of the paper EM model;
+# BENCHMARKS.md).
 
 
 def em_m_step(
@@ -283,35 +287,30 @@ def em_m_step(
   """One M-step: fit each parent's diagonal Gaussian and its activation.
 
   Args:
-    votes: [..., I, O, D] float32.
+    votes: [..., O, I, D] float32, parent-major.
     activations: [..., I] float32 input activations a_i.
-    log_assignments: [..., I, O] log R.
+    log_assignments: [..., O, I] log R.
     beta_u, beta_a: broadcastable to [O].
     inverse_temperature: scalar lambda.
     previous_poses: [..., O, D] the last mean (used with center_momentum).
   Returns:
     (poses mu [..., O, D], log_variances [..., O, D], activation_logits [..., O]).
   """
-  weights = jnp.exp(log_assignments) * activations[..., None]  # R_ij a_i
-  mass = jnp.sum(weights, axis=-2)  # [..., O]
+  weights = jnp.exp(log_assignments) * activations[..., None, :]  # R_ij a_i
+  mass = jnp.sum(weights, axis=-1)  # [..., O]
   # One beta per output type, shared over the batch: broadcast explicitly
   # rather than by implicit rank promotion.
   beta_u = jnp.broadcast_to(beta_u, mass.shape)
   beta_a = jnp.broadcast_to(beta_a, mass.shape)
-  normalized = weights / (mass[..., None, :] + MASS_EPSILON)
-  # Weighted sums as multiply-and-reduce, not einsum: as a dot_general, O is
-  # a batch dimension that XLA:CPU moves in front of I by transposing the
-  # whole [..., I, O, D] votes (1.5x slower forward ConvCaps layer;
-  # results/benchmarks/em_sums_einsum_vs_multiply_reduce.md).
-  poses = jnp.sum(normalized[..., None] * votes, axis=-3)
+  normalized = weights / (mass[..., None] + MASS_EPSILON)
+  poses = jnp.einsum('...oi,...oid->...od', normalized, votes)
   if center_momentum:
     # The released code's centre update mu = 0.9 new + 0.1 old (old = 0 at
     # the first iteration, as there).
     poses = (1.0 - center_momentum) * poses + center_momentum * previous_poses
   # Two-pass variance: E[(V - mu)^2] never goes negative, E[V^2] - mu^2 can.
-  variances = jnp.sum(
-      normalized[..., None] * jnp.square(votes - poses[..., None, :, :]),
-      axis=-3)
+  variances = jnp.einsum('...oi,...oid->...od', normalized,
+                         jnp.square(votes - poses[..., None, :]))
   log_variances = jnp.log(variances + variance_epsilon)
   dim = votes.shape[-1]
   if activation_form == 'paper':
@@ -343,24 +342,29 @@ def em_m_step(
 
 def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
               activation_logits: jax.Array,
-              normalizer: Normalizer = log_softmax_over_parents) -> jax.Array:
+              normalizer: Normalizer | None = None) -> jax.Array:
   """One E-step: R_ij proportional to a_j p_j(V_ij), in log space.
 
   Args:
-    votes: [..., I, O, D]; poses, log_variances: [..., O, D];
+    votes: [..., O, I, D] parent-major; poses, log_variances: [..., O, D];
     activation_logits: [..., O].
+    normalizer: maps log-numerators [..., I, O] to log R (None: softmax over
+      the O parents).
   Returns:
-    log R: [..., I, O] (normalised by ``normalizer``).
+    log R: [..., O, I].
   """
-  inv_var = jnp.exp(-log_variances)
-  sq_dist = jnp.sum(
-      jnp.square(votes - poses[..., None, :, :]) * inv_var[..., None, :, :],
-      axis=-1)
+  sq_dist = jnp.einsum('...oid,...od->...oi',
+                       jnp.square(votes - poses[..., None, :]),
+                       jnp.exp(-log_variances))
   log_p = -0.5 * (sq_dist + jnp.sum(log_variances + _LOG_2PI, axis=-1)[
-      ..., None, :])
+      ..., None])
   # log a_j = log sigmoid(logit): finite even where a_j underflows to 0.
-  log_a = jax.nn.log_sigmoid(activation_logits)
-  return normalizer(log_a[..., None, :] + log_p)
+  log_numerators = jax.nn.log_sigmoid(activation_logits)[..., None] + log_p
+  if normalizer is None:
+    return jax.nn.log_softmax(log_numerators, axis=-2)
+  # Normalisers see the public child-major layout; [..., I, O] is small.
+  return jnp.swapaxes(normalizer(jnp.swapaxes(log_numerators, -1, -2)),
+                      -1, -2)
 
 
 def em_routing(
@@ -440,7 +444,8 @@ def em_routing(
   beta_u32 = jnp.asarray(beta_u, votes32.dtype)
   beta_a32 = jnp.asarray(beta_a, votes32.dtype)
   lambdas = _inverse_temperatures(inverse_temperature, num_iterations)
-  normalizer = assignment_normalizer or log_softmax_over_parents
+  normalizer = assignment_normalizer
+  votes32 = jnp.swapaxes(votes32, -3, -2)  # parent-major: [..., O, I, D]
   m_step = lambda log_r, lam, prev: em_m_step(  # noqa: E731
       votes32, activations32, log_r, beta_u32, beta_a32, lam, prev,
       variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
@@ -458,7 +463,7 @@ def em_routing(
   # The loop carry has the compute dtype (float64 under jax_enable_x64).
   dtype = votes32.dtype
   init = EMRoutingState(
-      log_assignments=jnp.full(batch_shape + (num_in, num_out),
+      log_assignments=jnp.full(batch_shape + (num_out, num_in),
                                -math.log(num_out), dtype),
       poses=jnp.zeros(batch_shape + (num_out, dim), dtype),
       log_variances=jnp.zeros(batch_shape + (num_out, dim), dtype),
@@ -472,4 +477,4 @@ def em_routing(
   # Activations stay float32 like the assignments: rounded to bfloat16,
   # class activations near 1 would tie and the argmax pick the lowest class.
   return (poses.astype(out_dtype), jax.nn.sigmoid(activation_logits),
-          jnp.exp(state.log_assignments))
+          jnp.swapaxes(jnp.exp(state.log_assignments), -1, -2))

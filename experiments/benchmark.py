@@ -331,7 +331,8 @@ def torch_train_step(config: ml_collections.ConfigDict, seed: int
       config.model, state_lib.model_options(config), config.batch_size,
       image_shape(config), num_classes(config), config.learning_rate,
       config.get('reconstruction_weight', 0.0),
-      num_threads=len(os.sched_getaffinity(0)), seed=seed)
+      num_threads=len(os.sched_getaffinity(0)), seed=seed,
+      weight_decay=config.get('weight_decay', 0.0))
 
 
 def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',

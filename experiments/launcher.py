@@ -134,6 +134,8 @@ def config_description(config, config_file: str) -> str:
   applied) and its meaning where a comment in the config files gives one."""
   import ast
   import json
+  # ml_collections returns the flag's value, variant included.
+  config_file = re.sub(r'(\.py):[^/]*$', r'\1', config_file)
   with open(config_file) as f:
     doc = ast.get_docstring(ast.parse(f.read())) or ''
   meanings = _key_comments(os.path.join(CONFIG_DIR, 'common.py'))

@@ -231,7 +231,8 @@ def test_train_step_feeds_the_state_step_to_the_loss(norb_dir, loss):
 
 @pytest.mark.parametrize('module, variant', [
     (matrix_capsnet_mnist, ''), (matrix_capsnet_mnist, 'small'),
-    (matrix_capsnet_mnist, 'paper'), (matrix_capsnet_mnist, 'fashion'),
+    (matrix_capsnet_mnist, 'paper'), (matrix_capsnet_mnist, 'authors'),
+    (matrix_capsnet_mnist, 'fashion'),
     (matrix_capsnet_mnist, 'smoke'), (matrix_capsnet_smallnorb, ''),
     (matrix_capsnet_smallnorb, 'small,paper'),
     (matrix_capsnet_smallnorb, 'smoke')])
@@ -258,6 +259,48 @@ def test_configured_run_ends_with_the_full_spread_margin(module, variant):
         50_000, schedule='authors', total_steps=50_000)) < 0.25
 
 
+@pytest.mark.parametrize('module', [matrix_capsnet_mnist,
+                                    matrix_capsnet_smallnorb])
+def test_authors_variant_builds_the_released_codes_routing(module):
+  """':authors' reaches every EM layer: the released code's activation,
+  momentum, floor, init and lambda schedule, final lambda / 4 in the class
+  layer, each child normalised across positions; the default config keeps
+  capsjax's set and the paper's procedure."""
+  from capsjax import routing
+  config = module.get_config('small,authors')
+  model = state_lib.create_model(config)
+  schedule = routing.inverse_temperature_schedule(3)
+  for layer in (model.caps1, model.caps2, model.class_caps):
+    options = layer.routing_options
+    assert options['num_iterations'] == 3
+    assert options['activation_form'] == 'authors'
+    assert options['center_momentum'] == pytest.approx(0.1)
+    assert options['variance_epsilon'] == pytest.approx(5e-4)
+    assert not options['normalize_cost']
+  assert model.caps1.routing_options['inverse_temperature'] is None
+  np.testing.assert_allclose(
+      model.class_caps.routing_options['inverse_temperature'],
+      np.asarray(schedule) / 4, rtol=1e-12)
+  assert model.caps1.normalize_across_positions
+  assert model.caps2.normalize_across_positions
+  np.testing.assert_array_equal(model.caps1.beta_a[...], 0.5)
+  np.testing.assert_array_equal(model.caps2.beta_u[...], 0.5)
+  np.testing.assert_array_equal(model.class_caps.beta_a[...], 1.0)
+  np.testing.assert_array_equal(model.class_caps.beta_u[...], 2.0)
+  assert float(np.std(model.caps2.weights[...])) == pytest.approx(0.3, rel=0.1)
+  assert float(np.std(model.class_caps.weights[...])) == pytest.approx(
+      0.01, rel=0.2)
+
+  plain = state_lib.create_model(module.get_config('small'))
+  options = plain.caps2.routing_options
+  assert (options['activation_form'], options['center_momentum'],
+          options['variance_epsilon']) == ('paper', 0.0, routing.VARIANCE_FLOOR)
+  assert options['inverse_temperature'] == 1.0 and options['normalize_cost']
+  assert plain.class_caps.routing_options['inverse_temperature'] == 1.0
+  assert not plain.caps2.normalize_across_positions
+  np.testing.assert_array_equal(plain.caps2.beta_a[...], 0.0)
+
+
 def test_margin_follows_num_train_steps_on_the_command_line():
   out = subprocess.run(
       [sys.executable, '-m', 'experiments.matrix_capsnet', '--config_help',
@@ -265,3 +308,17 @@ def test_margin_follows_num_train_steps_on_the_command_line():
       text=True, timeout=120, env=conftest.training_env())
   assert out.returncode == 0, out.stderr
   assert '\n  margin_steps = 100  # ' in out.stdout, out.stdout
+
+
+def test_config_help_reads_a_config_with_a_variant():
+  """--config_help with FILE:VARIANT prints that variant's keys (it opened
+  'FILE:VARIANT' as a file and crashed)."""
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.matrix_capsnet', '--config_help',
+       '--config=experiments/configs/matrix_capsnet_mnist.py:smoke,authors',
+       '--config.model_options.center_momentum=0.2'], cwd=conftest.REPO,
+      capture_output=True, text=True, timeout=120, env=conftest.training_env())
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith('Matrix capsules with EM routing'), out.stdout
+  assert '\n  model_options.activation_form = "authors"' in out.stdout
+  assert '\n  model_options.center_momentum = 0.2' in out.stdout
