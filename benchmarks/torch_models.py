@@ -268,8 +268,8 @@ class MatrixCapsNet(nn.Module):
                conv1_stride: int = 2, caps1_kernel: int = 3,
                caps1_stride: int = 2, caps2_kernel: int = 3,
                caps2_stride: int = 1, inverse_temperature=None,
-               class_inverse_temperature=None, normalize_cost: bool = False,
-               transform_std: float | None = None,
+               class_inverse_temperature=None, class_lambda_scale: float = 1.0,
+               normalize_cost: bool = False, transform_std: float | None = None,
                variance_epsilon: float = 1e-4, activation_form: str = 'paper',
                normalize_across_positions: bool = False,
                center_momentum: float = 0.0, init: str = 'paper', **unused):
@@ -291,8 +291,10 @@ class MatrixCapsNet(nn.Module):
         normalize_cost, variance_epsilon, std)
     self.caps2 = _ConvCaps(C, D, caps2_kernel, caps2_stride, lambdas,
                            normalize_cost, variance_epsilon, std)
-    self.class_lambdas = (lambdas if class_inverse_temperature is None else
-                          _lambdas(class_inverse_temperature, num_iterations))
+    self.class_lambdas = (
+        [class_lambda_scale * x for x in lambdas]
+        if class_inverse_temperature is None else
+        _lambdas(class_inverse_temperature, num_iterations))
     self.normalize_cost = normalize_cost
     self.variance_floor = variance_epsilon
     self.coordinate_addition = coordinate_addition

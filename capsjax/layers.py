@@ -507,11 +507,18 @@ def _em_options(num_iterations, inverse_temperature, variance_epsilon,
     raise ValueError(
         f'center_momentum must be in [0, 1), got {center_momentum!r}.')
   # Stored as Python floats: static routing options, hashable, no arrays.
-  if inverse_temperature is not None and np.ndim(inverse_temperature) == 0:
-    inverse_temperature = float(inverse_temperature)
-  elif inverse_temperature is not None:
-    inverse_temperature = tuple(
-        float(t) for t in np.asarray(inverse_temperature).ravel())
+  if inverse_temperature is not None:
+    try:
+      values = np.asarray(inverse_temperature, np.float64)
+    except (TypeError, ValueError):
+      values = None
+    if values is None or values.ndim > 1 or not np.all(np.isfinite(values)):
+      raise ValueError(
+          f'inverse_temperature must be None (the authors\' schedule), a '
+          f'number or one number per iteration, got {inverse_temperature!r}.')
+    inverse_temperature = (float(values) if values.ndim == 0 else
+                           tuple(float(t) for t in values))
+  if isinstance(inverse_temperature, tuple):
     if len(inverse_temperature) != num_iterations:
       raise ValueError(
           f'inverse_temperature needs one value per iteration '

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
@@ -279,6 +280,17 @@ class BaselineCNN(nnx.Module):
 # Hinton, Sabour, Frosst 2018.
 
 
+def _scaled_inverse_temperature(inverse_temperature, scale: float,
+                                num_iterations: int):
+  """``scale`` times an EM layer's lambda (None: the authors' schedule)."""
+  if scale == 1.0:
+    return inverse_temperature
+  if inverse_temperature is None:
+    return routing.inverse_temperature_schedule(
+        num_iterations, scale * routing.FINAL_INVERSE_TEMPERATURE)
+  return scale * np.asarray(inverse_temperature, np.float64)
+
+
 class MatrixCapsNet(nnx.Module):
   """Matrix capsules with EM routing (Hinton et al. 2018, Figure 1).
 
@@ -305,8 +317,9 @@ class MatrixCapsNet(nnx.Module):
   options go to every EM layer; ``caps1_iterations`` > 0 overrides
   ``num_iterations`` in ConvCaps1 (the largest routing, most of a CPU
   training step); ``class_inverse_temperature`` overrides
-  ``inverse_temperature`` in the class layer (the released code uses final
-  lambda / 4 there: ``routing.inverse_temperature_schedule(T, 0.0025)``).
+  ``inverse_temperature`` in the class layer, and without it
+  ``class_lambda_scale`` multiplies the other layers' lambda there (the
+  released code: 0.25, final lambda / 4).
 
   Returns {'activations': [B, K], 'poses': [B, K, 4, 4]}.
   """
@@ -320,7 +333,8 @@ class MatrixCapsNet(nnx.Module):
                conv1_stride: int = 2, caps1_kernel: int = 3,
                caps1_stride: int = 2, caps2_kernel: int = 3,
                caps2_stride: int = 1, inverse_temperature=None,
-               class_inverse_temperature=None, normalize_cost: bool = False,
+               class_inverse_temperature=None, class_lambda_scale: float = 1.0,
+               normalize_cost: bool = False,
                variance_epsilon: float = routing.VARIANCE_FLOOR,
                center_momentum: float = 0.0, activation_form: str = 'paper',
                normalize_across_positions: bool = False, remat: bool = False,
@@ -350,8 +364,12 @@ class MatrixCapsNet(nnx.Module):
     plain_init = {'transform_std': transform_std}
     conv_init = layers.AUTHORS_CONV_INIT if init == 'authors' else plain_init
     class_init = layers.AUTHORS_CLASS_INIT if init == 'authors' else plain_init
+    if not class_lambda_scale > 0:
+      raise ValueError(f'class_lambda_scale must be > 0, got '
+                       f'{class_lambda_scale!r}.')
     if class_inverse_temperature is None:
-      class_inverse_temperature = inverse_temperature
+      class_inverse_temperature = _scaled_inverse_temperature(
+          inverse_temperature, class_lambda_scale, num_iterations)
     self.input_shape = (height, width, channels)
     em = dict(num_iterations=num_iterations, variance_epsilon=variance_epsilon,
               normalize_cost=normalize_cost, center_momentum=center_momentum,

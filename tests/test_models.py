@@ -314,6 +314,33 @@ def test_matrix_capsnet_options_reach_the_layers_on_mnist_shapes():
   assert out['poses'].dtype == jnp.float32
 
 
+@pytest.mark.parametrize('inverse_temperature, expected', [
+    (None, tuple(0.0025 * (1 - 0.95**(t + 1)) for t in range(3))),
+    (1.0, 0.25),
+    ((0.4, 0.8, 1.2), (0.1, 0.2, 0.3))])
+def test_matrix_capsnet_class_lambda_scale(inverse_temperature, expected):
+  """The class layer's lambda is class_lambda_scale times the others' (the
+  released code's final lambda / 4), whatever form lambda takes."""
+  model = _abstract('matrix_capsnet', input_shape=(28, 28, 1),
+                    num_classes=10, inverse_temperature=inverse_temperature,
+                    class_lambda_scale=0.25, **SMALL_MATRIX)
+  assert model.caps2.routing_options['inverse_temperature'] == (
+      inverse_temperature)
+  np.testing.assert_allclose(
+      model.class_caps.routing_options['inverse_temperature'], expected,
+      rtol=1e-12)
+
+
+@pytest.mark.parametrize('bad', [(None,), 'x', ((1.0, 2.0),), float('nan')])
+def test_matrix_capsnet_rejects_a_bad_inverse_temperature(bad):
+  with pytest.raises(ValueError, match='inverse_temperature must be None'):
+    _abstract('matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
+              class_inverse_temperature=bad, **SMALL_MATRIX)
+  with pytest.raises(ValueError, match='class_lambda_scale must be > 0'):
+    _abstract('matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
+              class_lambda_scale=0.0, **SMALL_MATRIX)
+
+
 def test_matrix_capsnet_caps1_iterations_override_only_convcaps1():
   model = _abstract('matrix_capsnet', input_shape=(24, 24, 1), num_classes=10,
                     num_iterations=2, caps1_iterations=1, **SMALL_MATRIX)

@@ -297,6 +297,14 @@ def test_authors_variant_builds_the_released_codes_routing(module):
           options['variance_epsilon']) == ('paper', 0.0, routing.VARIANCE_FLOOR)
   assert options['inverse_temperature'] == 1.0 and options['normalize_cost']
   assert plain.class_caps.routing_options['inverse_temperature'] == 1.0
+
+  # The class layer's scale follows an iteration count set after the variant.
+  config = module.get_config('small,authors')
+  config.model_options.num_iterations = 2
+  model = state_lib.create_model(config)
+  np.testing.assert_allclose(
+      model.class_caps.routing_options['inverse_temperature'],
+      np.asarray(routing.inverse_temperature_schedule(2)) / 4, rtol=1e-12)
   assert not plain.caps2.normalize_across_positions
   np.testing.assert_array_equal(plain.caps2.beta_a[...], 0.0)
 

@@ -66,8 +66,9 @@ def em_defaults(config):
   config.model_options.center_momentum = 0.0
   config.model_options.variance_epsilon = 1e-4
   config.model_options.init = 'paper'
-  # None: the class layer uses inverse_temperature.
-  config.model_options.class_inverse_temperature = None
+  # The class layer's lambda is this times the other layers' (released
+  # code: 0.25).
+  config.model_options.class_lambda_scale = 1.0
   return config
 
 
@@ -90,9 +91,7 @@ def authors_routing(config):
   each child's E-step normalised over every parent that receives its votes.
   """
   paper_routing(config)
-  iterations = config.model_options.num_iterations
-  config.model_options.class_inverse_temperature = tuple(
-      0.0025 * (1.0 - 0.95**(t + 1)) for t in range(iterations))
+  config.model_options.class_lambda_scale = 0.25
   config.model_options.activation_form = 'authors'
   config.model_options.center_momentum = 0.1
   config.model_options.variance_epsilon = 5e-4
