@@ -17,10 +17,9 @@ dimensions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
-
-import math
 
 import torch
 from torch import nn

@@ -14,6 +14,7 @@ scores). No Flax import: layers call these functions.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -266,8 +267,10 @@ class EMRoutingState(NamedTuple):
 # product whose batch dims (..., O) already lead, so XLA runs it without a
 # layout copy of the votes; child-major votes [..., I, O, D] made XLA:CPU
 # either copy them into that order or materialise the [..., I, O] weights
-# broadcast over D (1.48x slower train step of the paper EM model;
-# BENCHMARKS.md).
+# broadcast over D (1.25x slower train step of the paper EM model;
+# BENCHMARKS.md). HIGHEST: these are statistics, not layers; on GPU/TPU a
+# float32 einsum would otherwise run in TF32 or bfloat16 passes.
+_SUM = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
 def em_m_step(
@@ -303,14 +306,14 @@ def em_m_step(
   beta_u = jnp.broadcast_to(beta_u, mass.shape)
   beta_a = jnp.broadcast_to(beta_a, mass.shape)
   normalized = weights / (mass[..., None] + MASS_EPSILON)
-  poses = jnp.einsum('...oi,...oid->...od', normalized, votes)
+  poses = _SUM('...oi,...oid->...od', normalized, votes)
   if center_momentum:
     # The released code's centre update mu = 0.9 new + 0.1 old (old = 0 at
     # the first iteration, as there).
     poses = (1.0 - center_momentum) * poses + center_momentum * previous_poses
   # Two-pass variance: E[(V - mu)^2] never goes negative, E[V^2] - mu^2 can.
-  variances = jnp.einsum('...oi,...oid->...od', normalized,
-                         jnp.square(votes - poses[..., None, :]))
+  variances = _SUM('...oi,...oid->...od', normalized,
+                   jnp.square(votes - poses[..., None, :]))
   log_variances = jnp.log(variances + variance_epsilon)
   dim = votes.shape[-1]
   if activation_form == 'paper':
@@ -353,9 +356,9 @@ def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
   Returns:
     log R: [..., O, I].
   """
-  sq_dist = jnp.einsum('...oid,...od->...oi',
-                       jnp.square(votes - poses[..., None, :]),
-                       jnp.exp(-log_variances))
+  sq_dist = _SUM('...oid,...od->...oi',
+                 jnp.square(votes - poses[..., None, :]),
+                 jnp.exp(-log_variances))
   log_p = -0.5 * (sq_dist + jnp.sum(log_variances + _LOG_2PI, axis=-1)[
       ..., None])
   # log a_j = log sigmoid(logit): finite even where a_j underflows to 0.
@@ -444,7 +447,6 @@ def em_routing(
   beta_u32 = jnp.asarray(beta_u, votes32.dtype)
   beta_a32 = jnp.asarray(beta_a, votes32.dtype)
   lambdas = _inverse_temperatures(inverse_temperature, num_iterations)
-  normalizer = assignment_normalizer
   votes32 = jnp.swapaxes(votes32, -3, -2)  # parent-major: [..., O, I, D]
   m_step = lambda log_r, lam, prev: em_m_step(  # noqa: E731
       votes32, activations32, log_r, beta_u32, beta_a32, lam, prev,
@@ -455,7 +457,7 @@ def em_routing(
     poses, log_variances, activation_logits = m_step(
         state.log_assignments, lambdas[t], state.poses)
     log_assignments = em_e_step(votes32, poses, log_variances,
-                                activation_logits, normalizer)
+                                activation_logits, assignment_normalizer)
     return EMRoutingState(log_assignments, poses, log_variances,
                           activation_logits)
 

@@ -57,7 +57,7 @@ MUTATIONS = (
     Mutation(
         'skip_e_step', 'capsjax/routing.py',
         '    log_assignments = em_e_step(votes32, poses, log_variances,\n'
-        '                                activation_logits, normalizer)',
+        '                                activation_logits, assignment_normalizer)',
         '    log_assignments = state.log_assignments',
         ('tests/test_routing.py',)),
     Mutation(

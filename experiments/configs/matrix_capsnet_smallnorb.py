@@ -55,5 +55,6 @@ def get_config(variant: str = ''):
       config.log_every_steps = 5
     else:
       raise ValueError(f'unknown variant {part!r} of matrix_capsnet_smallnorb; '
-                       f'known: small, azimuth, elevation, paper, authors, mono, smoke.')
+                       f'known: small, azimuth, elevation, paper, authors, '
+                       f'mono, smoke.')
   return config
