@@ -60,8 +60,9 @@ def em_defaults(config):
   config.model_options.normalize_cost = True
   config.model_options.inverse_temperature = 1.0
   config.model_options.transform_std = 1.0
-  # The remaining routing options, at the paper's printed procedure; the
-  # variant 'authors' sets the released code's values (authors_routing).
+  # The remaining routing options: the paper's procedure with capsjax's
+  # variance floor (the paper prints none); the variant 'authors' sets the
+  # released code's values (authors_routing).
   config.model_options.activation_form = 'paper'
   config.model_options.center_momentum = 0.0
   config.model_options.variance_epsilon = 1e-4
