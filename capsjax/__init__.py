@@ -1,5 +1,12 @@
 """capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing)."""
 
+from capsjax import cpu_convolutions
+
+# Before JAX starts its backend, which reads XLA_FLAGS once: XLA:CPU's
+# YNNPACK convolutions train 3-5x slower than its Eigen ones (BENCHMARKS.md).
+cpu_convolutions.prefer_eigen_convolutions()
+
+
 from capsjax.losses import cross_entropy_loss
 from capsjax.losses import margin_loss
 from capsjax.losses import reconstruction_loss

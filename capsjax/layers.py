@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from capsjax import cpu_convolutions
 from capsjax import routing
 from capsjax import votes as votes_lib
 
@@ -270,10 +271,12 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       over patches: ``patches_conv``),
       'space_to_depth' (the regrouping, then ``lax.conv_general_dilated``)
       or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
-      patches on the CPU backend, where XLA's convolution backward pass is
-      slow (BENCHMARKS.md), and direct elsewhere: on GPU the zero taps of
-      the regrouped kernel would add 23% MACs to the 9x9 stride-2
-      PrimaryCaps conv and cuDNN's kernels have no such backward problem.
+      ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth,
+      or patches for narrow inputs or where XLA:CPU's convolutions are
+      YNNPACK's, whose backward pass is slow: BENCHMARKS.md) and direct
+      elsewhere: on GPU the zero taps of the regrouped kernel would add 23%
+      MACs to the 9x9 stride-2 PrimaryCaps conv and cuDNN's kernels have no
+      such backward problem.
   Returns:
     [B, H', W', F].
   """
@@ -285,7 +288,8 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   if padding not in ('VALID', 'SAME'):
     raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
   if impl is None:
-    impl = 'patches' if jax.default_backend() == 'cpu' else 'direct'
+    impl = (cpu_convolutions.cpu_conv_impl(x.shape[-1], stride)
+            if jax.default_backend() == 'cpu' else 'direct')
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
   if impl == 'direct' or (impl == 'space_to_depth' and stride == 1):

@@ -38,6 +38,9 @@ def run_command(argv: list[str], body: Callable[[], None],
     logging.set_verbosity(logging.WARNING)
   from capsjax.training import host_memory  # imports jax: after the flags
   logging.info('host memory: %s', host_memory.retain_freed_memory())
+  from capsjax import cpu_convolutions
+  logging.info('CPU convolutions: %s',
+               cpu_convolutions.prefer_eigen_convolutions())
   from capsjax.training import loop
   try:
     body()

@@ -24,6 +24,8 @@ import importlib.metadata
 import os
 import sys
 
+from capsjax import cpu_convolutions
+
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -42,11 +44,6 @@ def _accelerator_plugins() -> list[str]:
   except importlib.metadata.PackageNotFoundError:
     pass
   return names
-
-
-def _backend_started() -> bool:
-  bridge = sys.modules.get('jax._src.xla_bridge')
-  return bool(bridge is not None and getattr(bridge, '_backends', None))
 
 
 def retain_freed_memory() -> str:
@@ -69,7 +66,7 @@ def retain_freed_memory() -> str:
   plugins = [] if cpu_first else _accelerator_plugins()
   if plugins:
     return f'not applied: accelerator plugins installed ({", ".join(plugins)})'
-  if _backend_started():
+  if cpu_convolutions.backend_started():
     return 'not applied: the JAX backend had already started'
   try:
     libc = ctypes.CDLL('libc.so.6')

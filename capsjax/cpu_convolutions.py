@@ -1,0 +1,113 @@
+"""Which convolution kernel XLA:CPU runs, and the lowering conv2d picks there.
+
+jaxlib 0.10's XLA:CPU hands every convolution large enough (a 3x3
+64 -> 64 one on 26x26 is; 8x8x8 is not) to a YNNPACK fusion. Those run far
+below the machine: Su's second 3x3 layer at batch 128, forward alone,
+151-172 ms as a YNNPACK fusion against 31-36 ms as XLA's Eigen convolution
+(173 GFLOP/s, this CPU's measured matmul peak), and its train step
+(forward, input and kernel gradients) 520 ms against 160 ms
+(BENCHMARKS.md, the CPU convolution kernels, session 11). The slow
+"XLA:CPU convolution backward pass" that ``layers.patches_conv`` works
+around was mostly this.
+
+``prefer_eigen_convolutions`` turns the YNNPACK convolution fusion off
+through XLA_FLAGS (``-individual_convolution``, which keeps YNNPACK's
+other fusions). XLA reads XLA_FLAGS once, when JAX starts its backend, so
+``import capsjax`` calls it then; afterwards ``ynn_convolutions`` asks the
+compiler what it actually does, and ``layers.conv2d`` picks its CPU
+lowering from the answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+NO_YNN_CONVOLUTIONS = (
+    '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution')
+# The oldest jaxlib measured with the flag; an XLA that does not know a
+# flag in XLA_FLAGS aborts the process, so older ones are left alone.
+_MIN_JAXLIB = (0, 10)
+
+_result: str | None = None
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  parts = []
+  for part in jaxlib.__version__.split('.')[:2]:
+    digits = ''.join(c for c in part if c.isdigit())
+    parts.append(int(digits or 0))
+  return tuple(parts)
+
+
+def backend_started() -> bool:
+  """Whether JAX has created its backends (and so read XLA_FLAGS)."""
+  bridge = sys.modules.get('jax._src.xla_bridge')
+  return bool(bridge is not None and getattr(bridge, '_backends', None))
+
+
+def prefer_eigen_convolutions() -> str:
+  """Ask XLA:CPU for its Eigen convolutions instead of YNNPACK's; returns
+  what was done, in words.
+
+  Idempotent. Leaves XLA_FLAGS alone when it already names the YNNPACK
+  fusion types (the user's choice), when the backend has started (too late
+  to matter), with jaxlib older than 0.10, or with
+  CAPSJAX_YNN_CONVOLUTIONS=1.
+  """
+  global _result
+  if _result is not None:
+    return _result
+  flags = os.environ.get('XLA_FLAGS', '')
+  if os.environ.get('CAPSJAX_YNN_CONVOLUTIONS', '0') == '1':
+    _result = 'off (CAPSJAX_YNN_CONVOLUTIONS=1)'
+  elif 'xla_cpu_experimental_ynn_fusion_type' in flags:
+    _result = 'not applied: XLA_FLAGS already sets the YNNPACK fusion types'
+  elif backend_started():
+    _result = 'not applied: the JAX backend had already started'
+  elif _jaxlib_version() < _MIN_JAXLIB:
+    _result = 'not applied: jaxlib older than 0.10'
+  else:
+    os.environ['XLA_FLAGS'] = f'{flags} {NO_YNN_CONVOLUTIONS}'.strip()
+    _result = f'applied (XLA_FLAGS {NO_YNN_CONVOLUTIONS})'
+  return _result
+
+
+@functools.cache
+def ynn_convolutions() -> bool:
+  """Whether this process's XLA:CPU compiles a 3x3 64 -> 64 convolution
+  into a YNNPACK fusion (compiles one, once, and reads the HLO)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def conv(x, kernel):
+    return jax.lax.conv_general_dilated(
+        x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+  compiled = jax.jit(conv).lower(
+      jax.ShapeDtypeStruct((1, 26, 26, 64), jnp.float32),
+      jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)).compile()
+  return 'ynn_fusion' in compiled.as_text()
+
+
+# Below this many input channels (after the space-to-depth regrouping of a
+# strided convolution) the Eigen convolution runs far from peak and one
+# product over patches is faster: the 9x9 1 -> 256 first layer of the paper
+# CapsNet at batch 64 trains in 83 ms as patches and 167 ms direct; at 64
+# channels and more direct wins (Su's 3x3 64 -> 64: 72 against 138 ms).
+PATCHES_BELOW_CHANNELS = 16
+
+
+def cpu_conv_impl(in_channels: int, stride: int) -> str:
+  """conv2d's lowering on the CPU backend for a convolution with
+  ``in_channels`` input channels and ``stride``: 'patches' where XLA:CPU's
+  convolutions are YNNPACK's (their backward passes are slow) or the
+  regrouped input is narrow, else 'space_to_depth' (a direct convolution
+  after the regrouping; for stride 1 the direct convolution itself)."""
+  if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
+    return 'patches'
+  if stride * stride * in_channels < PATCHES_BELOW_CHANNELS:
+    return 'patches'
+  return 'space_to_depth'
