@@ -21,6 +21,8 @@ lowering from the answer.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import mmap
 import os
 import sys
 
@@ -40,6 +42,20 @@ def _jaxlib_version() -> tuple[int, ...]:
     digits = ''.join(c for c in part if c.isdigit())
     parts.append(int(digits or 0))
   return tuple(parts)
+
+
+def _jaxlib_knows_flag() -> bool:
+  """Whether jaxlib's XLA has the YNNPACK fusion flag (an XLA that meets
+  an unknown flag in XLA_FLAGS aborts the process): its name in the
+  library, found by a memory-mapped search, ~10 ms from the page cache."""
+  spec = importlib.util.find_spec('jaxlib')
+  for folder in (spec.submodule_search_locations or []) if spec else []:
+    library = os.path.join(folder, 'libjax_common.so')
+    if os.path.exists(library):
+      with open(library, 'rb') as f, mmap.mmap(
+          f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(b'xla_cpu_experimental_ynn_fusion_type') >= 0
+  return False
 
 
 def backend_started() -> bool:
@@ -67,8 +83,9 @@ def prefer_eigen_convolutions() -> str:
     _result = 'not applied: XLA_FLAGS already sets the YNNPACK fusion types'
   elif backend_started():
     _result = 'not applied: the JAX backend had already started'
-  elif _jaxlib_version() < _MIN_JAXLIB:
-    _result = 'not applied: jaxlib older than 0.10'
+  elif _jaxlib_version() < _MIN_JAXLIB or not _jaxlib_knows_flag():
+    _result = ('not applied: this jaxlib (older than 0.10, or without the '
+               'flag) is left alone')
   else:
     os.environ['XLA_FLAGS'] = f'{flags} {NO_YNN_CONVOLUTIONS}'.strip()
     _result = f'applied (XLA_FLAGS {NO_YNN_CONVOLUTIONS})'

@@ -1,0 +1,110 @@
+"""capsjax.cpu_convolutions: XLA:CPU's Eigen convolutions instead of
+YNNPACK's, and conv2d's CPU lowering that follows from it.
+
+The flag is read once per process, so each case is a fresh interpreter;
+what it asserts is what the compiler did (the compiled HLO), not timing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from capsjax import cpu_convolutions
+from capsjax import layers
+from tests.conftest import REPO
+
+_PROBE = r'''
+import json, os
+import capsjax
+from capsjax import cpu_convolutions as c
+print(json.dumps({
+    'status': c.prefer_eigen_convolutions(),
+    'xla_flags': os.environ.get('XLA_FLAGS', ''),
+    'ynn': c.ynn_convolutions(),
+    'wide': c.cpu_conv_impl(64, 1), 'narrow': c.cpu_conv_impl(1, 1),
+    'strided': c.cpu_conv_impl(3, 3), 'strided_narrow': c.cpu_conv_impl(3, 2),
+    'devices': __import__('jax').device_count()}))
+'''
+
+
+def _probe(**env):
+  environ = {k: v for k, v in os.environ.items()
+             if k not in ('XLA_FLAGS', 'CAPSJAX_YNN_CONVOLUTIONS')}
+  environ.update(env, JAX_PLATFORMS='cpu')
+  out = subprocess.run([sys.executable, '-c', _PROBE], cwd=REPO, env=environ,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  return json.loads(out.stdout.splitlines()[-1])
+
+
+needs_the_flag = pytest.mark.skipif(
+    not cpu_convolutions._jaxlib_knows_flag(),  # pylint: disable=protected-access
+    reason='this jaxlib has no YNNPACK fusion flag')
+
+
+@needs_the_flag
+def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
+  result = _probe(XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  assert result['status'].startswith('applied'), result
+  # The caller's own flags are kept beside it.
+  assert result['xla_flags'].split() == [
+      '--xla_force_host_platform_device_count=2',
+      cpu_convolutions.NO_YNN_CONVOLUTIONS]
+  assert result['devices'] == 2
+  assert result['ynn'] is False  # the compiler obeyed
+  assert result['wide'] == 'space_to_depth'
+  assert result['strided'] == 'space_to_depth'  # 3 * 3 * 3 = 27 channels
+  assert result['narrow'] == 'patches'
+  assert result['strided_narrow'] == 'patches'  # 2 * 2 * 3 = 12 channels
+
+
+@needs_the_flag
+def test_opting_out_keeps_xla_flags_and_the_patches_path():
+  result = _probe(CAPSJAX_YNN_CONVOLUTIONS='1')
+  assert result['status'] == 'off (CAPSJAX_YNN_CONVOLUTIONS=1)'
+  assert result['xla_flags'] == ''
+  # jaxlib 0.10 hands this convolution to YNNPACK by default, whose
+  # backward pass is slow: every convolution then takes the patches path.
+  assert result['ynn'] is True
+  assert {result[k] for k in ('wide', 'narrow', 'strided')} == {'patches'}
+
+
+@needs_the_flag
+def test_a_users_own_ynn_setting_is_respected():
+  own = '--xla_cpu_experimental_ynn_fusion_type=+individual_convolution'
+  result = _probe(XLA_FLAGS=own)
+  assert result['status'].startswith('not applied: XLA_FLAGS already sets')
+  assert result['xla_flags'] == own
+  assert result['ynn'] is True and result['wide'] == 'patches'
+
+
+@pytest.mark.parametrize('height,channels,kernel_size,stride', [
+    (12, 64, 3, 1),  # Su's trunk: space_to_depth (direct) on this CPU
+    (14, 1, 5, 1),  # narrow: patches
+    (13, 16, 5, 2),  # strided, regrouped to 64 channels
+])
+def test_conv2d_default_equals_direct_in_values_and_gradients(
+    height, channels, kernel_size, stride):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, height, height + 1, channels)).astype(np.float32)
+  kernel = (0.1 * rng.standard_normal(
+      (kernel_size, kernel_size, channels, 8))).astype(np.float32)
+  out_shape = (2, (height - kernel_size) // stride + 1,
+               (height + 1 - kernel_size) // stride + 1, 8)
+  cotangent = rng.standard_normal(out_shape).astype(np.float32)
+
+  def run(impl):
+    out, vjp = jax.vjp(lambda x, k: layers.conv2d(x, k, stride, impl=impl),
+                       x, kernel)
+    return (out, *vjp(cotangent))
+
+  default, direct = jax.jit(run, static_argnums=0)(None), run('direct')
+  chex.assert_shape(default[0], out_shape)
+  for got, want in zip(default, direct, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
