@@ -1,12 +1,6 @@
 """capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing)."""
 
 from capsjax import cpu_convolutions
-
-# Before JAX starts its backend, which reads XLA_FLAGS once: XLA:CPU's
-# YNNPACK convolutions train 3-5x slower than its Eigen ones (BENCHMARKS.md).
-cpu_convolutions.prefer_eigen_convolutions()
-
-
 from capsjax.losses import cross_entropy_loss
 from capsjax.losses import margin_loss
 from capsjax.losses import reconstruction_loss
@@ -26,6 +20,10 @@ from capsjax.votes import shared_vector_votes
 from capsjax.votes import vector_votes
 
 __version__ = '0.1.0'
+
+# Before JAX starts its backend, which reads XLA_FLAGS once: XLA:CPU's
+# YNNPACK convolutions train 3-5x slower than its Eigen ones (BENCHMARKS.md).
+cpu_convolutions.prefer_eigen_convolutions()
 
 __all__ = (
     'conv_capsule_patches',

@@ -287,16 +287,24 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
         f'[Kh, Kw, C, F] = {kernel.shape}.')
   if padding not in ('VALID', 'SAME'):
     raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
-  if impl is None:
-    impl = (cpu_convolutions.cpu_conv_impl(x.shape[-1], stride)
-            if jax.default_backend() == 'cpu' else 'direct')
+  if padding == 'SAME':
+    pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
+    pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
+  else:
+    pad_h = pad_w = (0, 0)
+  if impl is None and jax.default_backend() == 'cpu':
+    height, width = x.shape[1] + sum(pad_h), x.shape[2] + sum(pad_w)
+    out_h = votes_lib.output_size(height, kernel.shape[0], stride)
+    out_w = votes_lib.output_size(width, kernel.shape[1], stride)
+    impl = cpu_convolutions.cpu_conv_impl(x.shape[-1], stride, height * width,
+                                          out_h * out_w)
+  elif impl is None:
+    impl = 'direct'
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
   if impl == 'direct' or (impl == 'space_to_depth' and stride == 1):
     return _lax_conv(x, kernel, stride, padding)
   if padding == 'SAME':
-    pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
-    pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
     x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
   if impl == 'space_to_depth':
     return space_to_depth_conv(x, kernel, stride)

@@ -27,8 +27,13 @@ print(json.dumps({
     'status': c.prefer_eigen_convolutions(),
     'xla_flags': os.environ.get('XLA_FLAGS', ''),
     'ynn': c.ynn_convolutions(),
-    'wide': c.cpu_conv_impl(64, 1), 'narrow': c.cpu_conv_impl(1, 1),
-    'strided': c.cpu_conv_impl(3, 3), 'strided_narrow': c.cpu_conv_impl(3, 2),
+    # Su's second layer; the first layers of CapsNet; PrimaryCaps (the
+    # input gradient spans 400 positions for 36 outputs); 3x3 stride 3.
+    'wide': c.cpu_conv_impl(64, 1, 26 * 26, 24 * 24),
+    'narrow': c.cpu_conv_impl(1, 1, 28 * 28, 20 * 20),
+    'primary': c.cpu_conv_impl(256, 2, 20 * 20, 6 * 6),
+    'strided': c.cpu_conv_impl(3, 3, 12 * 12, 4 * 4),
+    'strided_narrow': c.cpu_conv_impl(3, 2, 12 * 12, 5 * 5),
     'devices': __import__('jax').device_count()}))
 '''
 
@@ -62,6 +67,7 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['strided'] == 'space_to_depth'  # 3 * 3 * 3 = 27 channels
   assert result['narrow'] == 'patches'
   assert result['strided_narrow'] == 'patches'  # 2 * 2 * 3 = 12 channels
+  assert result['primary'] == 'patches'
 
 
 @needs_the_flag
@@ -72,7 +78,8 @@ def test_opting_out_keeps_xla_flags_and_the_patches_path():
   # jaxlib 0.10 hands this convolution to YNNPACK by default, whose
   # backward pass is slow: every convolution then takes the patches path.
   assert result['ynn'] is True
-  assert {result[k] for k in ('wide', 'narrow', 'strided')} == {'patches'}
+  assert {result[k] for k in ('wide', 'narrow', 'strided', 'primary')
+          } == {'patches'}
 
 
 @needs_the_flag
@@ -88,6 +95,7 @@ def test_a_users_own_ynn_setting_is_respected():
     (12, 64, 3, 1),  # Su's trunk: space_to_depth (direct) on this CPU
     (14, 1, 5, 1),  # narrow: patches
     (13, 16, 5, 2),  # strided, regrouped to 64 channels
+    (20, 16, 9, 2),  # PrimaryCaps' shape: patches
 ])
 def test_conv2d_default_equals_direct_in_values_and_gradients(
     height, channels, kernel_size, stride):
