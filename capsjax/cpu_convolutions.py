@@ -35,6 +35,7 @@ _MIN_JAXLIB = (0, 10)
 _result: str | None = None
 
 
+@functools.cache
 def _jaxlib_version() -> tuple[int, ...]:
   import jaxlib  # pylint: disable=g-import-not-at-top
   parts = []

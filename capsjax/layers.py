@@ -287,11 +287,8 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
         f'[Kh, Kw, C, F] = {kernel.shape}.')
   if padding not in ('VALID', 'SAME'):
     raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
-  if padding == 'SAME':
-    pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
-    pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
-  else:
-    pad_h = pad_w = (0, 0)
+  pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
+  pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
   if impl is None and jax.default_backend() == 'cpu':
     height, width = x.shape[1] + sum(pad_h), x.shape[2] + sum(pad_w)
     out_h = votes_lib.output_size(height, kernel.shape[0], stride)
