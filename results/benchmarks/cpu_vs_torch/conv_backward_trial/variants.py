@@ -3,7 +3,7 @@ train step of sum(sin(conv(x, k))) at Su's four layer shapes, against the
 shipped patches path and PyTorch, in one process."""
 import sys, time
 import numpy as np, jax, jax.numpy as jnp, torch
-from experiments import launcher  # noqa: F401  (host-memory setting, as the experiments)
+from experiments import launcher  # noqa: F401  (imports capsjax; applies no host-memory setting)
 from capsjax import layers
 torch.set_num_threads(2)
 
