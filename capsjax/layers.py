@@ -50,7 +50,7 @@ AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
 OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_BIAS_INIT = 0.1
 
-CONV_IMPLS = ('patches', 'space_to_depth', 'direct')
+CONV_IMPLS = ('patches', 'taps', 'space_to_depth', 'direct')
 
 
 # Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
@@ -257,6 +257,83 @@ def _patches_conv_backward(transpose, cotangent):
 patches_conv.defvjp(_patches_conv_forward, _patches_conv_backward)
 
 
+def _taps_input_gradient(cotangent: jax.Array, kernel: jax.Array,
+                         stride: int, height: int, width: int) -> jax.Array:
+  """Input gradient of a VALID convolution with ``stride``, tap by tap.
+
+  Each tap's product ``cotangent @ kernel[i, j]^T``, [B, H', W', C], is
+  added in place (a dynamic_update_slice) into its box of the input's
+  space-to-depth grid, [B, H'+ceil(Kh/s)-1, W'+ceil(Kw/s)-1, s*s*C]: tap
+  (i, j) = (s*a + p, s*b + q) lands at offset (a, b), channel block (p, q).
+  No zero taps are multiplied, no patches are built.
+
+  Args:
+    cotangent: [B, H', W', F].
+    kernel: [Kh, Kw, C, F].
+    stride: s.
+    height, width: H and W of the input.
+  Returns:
+    [B, H, W, C].
+  """
+  k_h, k_w, channels, _ = kernel.shape
+  batch, out_h, out_w, _ = cotangent.shape
+  s = stride
+  rows, cols = out_h + -(-k_h // s) - 1, out_w + -(-k_w // s) - 1
+  grad = jnp.zeros((batch, rows, cols, s * s * channels), cotangent.dtype)
+  for i in range(k_h):
+    for j in range(k_w):
+      tap = jnp.einsum('bhwf,cf->bhwc', cotangent, kernel[i, j])
+      start = (0, i // s, j // s, ((i % s) * s + j % s) * channels)
+      box = jax.lax.dynamic_slice(grad, start, tap.shape)
+      grad = jax.lax.dynamic_update_slice(grad, box + tap, start)
+  grad = grad.reshape(batch, rows, cols, s, s, channels)
+  grad = grad.transpose(0, 1, 3, 2, 4, 5).reshape(batch, rows * s, cols * s,
+                                                  channels)
+  # Every tap lands inside the input; rows and columns past the windows'
+  # reach (the input's remainder) get zeros.
+  grad = grad[:, :height, :width]
+  return jnp.pad(grad, ((0, 0), (0, height - grad.shape[1]),
+                        (0, width - grad.shape[2]), (0, 0)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def taps_conv(x: ArrayLike, kernel: ArrayLike, stride: int) -> jax.Array:
+  """VALID strided convolution that trains fast on XLA:CPU.
+
+  Evaluated, and for its kernel gradient, it is XLA's strided convolution
+  (both run near the CPU's peak). Its input gradient, which XLA computes
+  as a convolution over the stride-dilated cotangent (12.9 s against
+  0.23 s for the paper's PrimaryCaps at batch 64), is ``Kh * Kw`` matrix
+  products added in place: ``_taps_input_gradient``. Measured:
+  BENCHMARKS.md, the CPU convolution path.
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+    stride: s >= 1.
+  Returns:
+    [B, (H - Kh) // s + 1, (W - Kw) // s + 1, F].
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  _check_kernel_fits(x, *kernel.shape[:2])
+  return _lax_conv(x, kernel, stride)
+
+
+def _taps_conv_forward(x, kernel, stride):
+  return taps_conv(x, kernel, stride), (x, kernel)
+
+
+def _taps_conv_backward(stride, residuals, cotangent):
+  x, kernel = residuals
+  _, kernel_vjp = jax.vjp(lambda k: _lax_conv(x, k, stride), kernel)
+  input_grad = _taps_input_gradient(cotangent, kernel, stride, x.shape[1],
+                                    x.shape[2])
+  return input_grad, kernel_vjp(cotangent)[0]
+
+
+taps_conv.defvjp(_taps_conv_forward, _taps_conv_backward)
+
+
 def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
            padding: str = 'VALID', impl: str | None = None) -> jax.Array:
   """2-D convolution, NHWC, with a choice of implementation.
@@ -269,11 +346,14 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     impl: 'patches' (a strided convolution regrouped space-to-depth into a
       stride-1 one, evaluated by XLA and differentiated as matrix products
       over patches: ``patches_conv``),
+      'taps' (XLA's strided convolution, its input gradient computed tap by
+      tap: ``taps_conv``),
       'space_to_depth' (the regrouping, then ``lax.conv_general_dilated``)
       or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
-      ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth,
-      or patches for narrow inputs or where XLA:CPU's convolutions are
-      YNNPACK's, whose backward pass is slow: BENCHMARKS.md) and direct
+      ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth;
+      taps where the input gradient would span many more positions than
+      the output; patches for narrow inputs or where XLA:CPU's convolutions
+      are YNNPACK's, whose backward pass is slow: BENCHMARKS.md) and direct
       elsewhere: on GPU the zero taps of the regrouped kernel would add 23%
       MACs to the 9x9 stride-2 PrimaryCaps conv and cuDNN's kernels have no
       such backward problem.
@@ -305,6 +385,8 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
   if impl == 'space_to_depth':
     return space_to_depth_conv(x, kernel, stride)
+  if impl == 'taps':
+    return taps_conv(x, kernel, stride)
   if stride > 1:
     x, kernel = _space_to_depth(x, kernel, stride)
   return patches_conv(x, kernel)

@@ -67,7 +67,7 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['strided'] == 'space_to_depth'  # 3 * 3 * 3 = 27 channels
   assert result['narrow'] == 'patches'
   assert result['strided_narrow'] == 'patches'  # 2 * 2 * 3 = 12 channels
-  assert result['primary'] == 'patches'
+  assert result['primary'] == 'taps'
 
 
 @needs_the_flag
@@ -95,7 +95,7 @@ def test_a_users_own_ynn_setting_is_respected():
     (12, 64, 3, 1),  # Su's trunk: space_to_depth (direct) on this CPU
     (14, 1, 5, 1),  # narrow: patches
     (13, 16, 5, 2),  # strided, regrouped to 64 channels
-    (20, 16, 9, 2),  # PrimaryCaps' shape: patches
+    (20, 16, 9, 2),  # PrimaryCaps' shape: taps
 ])
 def test_conv2d_default_equals_direct_in_values_and_gradients(
     height, channels, kernel_size, stride):

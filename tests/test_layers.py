@@ -47,7 +47,7 @@ def _output_and_grads(conv, x, kernel, cotangent):
     (2, 3, 8, 7),  # kernel smaller than the stride
     (3, 3, 3, 5),  # kernel = input height
 ])
-@pytest.mark.parametrize('impl', ['space_to_depth', 'patches'])
+@pytest.mark.parametrize('impl', ['space_to_depth', 'patches', 'taps'])
 def test_cpu_convs_equal_direct_in_values_and_gradients(
     impl, kernel_size, stride, height, width):
   x = _random(0, (2, height, width, 3))
@@ -80,6 +80,35 @@ def test_patches_conv_is_the_convolution_sum():
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('kernel_size,stride,height,width', [
+    (9, 2, 20, 20),  # PrimaryCaps
+    (4, 3, 12, 11),  # K not a multiple of s; rows past the windows' reach
+    (2, 3, 8, 7),  # kernel smaller than the stride: input rows no tap meets
+    (3, 1, 6, 5),  # stride 1
+])
+def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
+                                                   height, width):
+  """The input gradient of taps_conv against its definition in float64
+  NumPy: dx[b, s*y + i, s*x + j, c] += sum_f dy[b, y, x, f] k[i, j, c, f];
+  input positions that no window covers get 0."""
+  kernel = np.asarray(_random(1, (kernel_size, kernel_size, 3, 5)), np.float64)
+  out_h = (height - kernel_size) // stride + 1
+  out_w = (width - kernel_size) // stride + 1
+  cotangent = np.asarray(_random(2, (2, out_h, out_w, 5)), np.float64)
+  ref = np.zeros((2, height, width, 3))
+  for y in range(out_h):
+    for x in range(out_w):
+      for i in range(kernel_size):
+        for j in range(kernel_size):
+          ref[:, stride * y + i, stride * x + j] += (
+              cotangent[:, y, x] @ kernel[i, j].T)
+  x = jnp.zeros((2, height, width, 3), jnp.float32)
+  _, vjp = jax.vjp(lambda x: layers.taps_conv(x, kernel.astype(np.float32),
+                                              stride), x)
+  np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[0], ref,
+                             rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize('impl', layers.CONV_IMPLS)
 @pytest.mark.parametrize('padding', ['VALID', 'SAME'])
 @pytest.mark.parametrize('stride', [1, 2])
@@ -103,6 +132,8 @@ def test_conv2d_rejects_bad_arguments():
     layers.space_to_depth_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
   with pytest.raises(ValueError, match='larger than the input'):
     layers.patches_conv(x, jnp.zeros((9, 9, 3, 2)))
+  with pytest.raises(ValueError, match='larger than the input'):
+    layers.taps_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
   with pytest.raises(ValueError, match='conv_impl'):
     layers.Conv2D(3, 4, 3, 2, conv_impl='fft', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='positive'):
