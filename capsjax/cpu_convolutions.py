@@ -123,6 +123,11 @@ PATCHES_BELOW_CHANNELS = 16
 # patches and 1.04 as taps (batch 64); Su's layers (1.2-1.6) are faster
 # direct.
 TAPS_ABOVE_INPUT_RATIO = 2.0
+# Below this many input channels the taps' Kh*Kw products and in-place adds
+# are many small kernels whose fixed costs dominate: the CI's 8-channel
+# CapsNet took 15.9 s for its attacks with PrimaryCaps as taps against 1.1
+# s as patches. The paper CapsNet's PrimaryCaps has 256.
+TAPS_MIN_CHANNELS = 64
 
 
 def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
@@ -136,15 +141,16 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     out_positions: H' * W' of its output.
   Returns:
     'patches' where XLA:CPU's convolutions are YNNPACK's (their backward
-    passes are slow) or where the regrouped input is narrow; 'taps' where
-    the input gradient as a convolution would cover many more positions
-    than the output; else 'space_to_depth' (a direct convolution after the
-    regrouping; for stride 1 the direct convolution itself).
+    passes are slow) or where the regrouped input is narrow; where the
+    input gradient as a convolution would cover many more positions than
+    the output, 'taps' (64 input channels and more) or 'patches'; else
+    'space_to_depth' (a direct convolution after the regrouping; for
+    stride 1 the direct convolution itself).
   """
   if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
     return 'patches'
   if stride * stride * in_channels < PATCHES_BELOW_CHANNELS:
     return 'patches'
   if in_positions > TAPS_ABOVE_INPUT_RATIO * stride * stride * out_positions:
-    return 'taps'
+    return 'taps' if in_channels >= TAPS_MIN_CHANNELS else 'patches'
   return 'space_to_depth'

@@ -32,6 +32,7 @@ print(json.dumps({
     'wide': c.cpu_conv_impl(64, 1, 26 * 26, 24 * 24),
     'narrow': c.cpu_conv_impl(1, 1, 28 * 28, 20 * 20),
     'primary': c.cpu_conv_impl(256, 2, 20 * 20, 6 * 6),
+    'primary_narrow': c.cpu_conv_impl(8, 2, 20 * 20, 6 * 6),
     'strided': c.cpu_conv_impl(3, 3, 12 * 12, 4 * 4),
     'strided_narrow': c.cpu_conv_impl(3, 2, 12 * 12, 5 * 5),
     'devices': __import__('jax').device_count()}))
@@ -68,6 +69,8 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['narrow'] == 'patches'
   assert result['strided_narrow'] == 'patches'  # 2 * 2 * 3 = 12 channels
   assert result['primary'] == 'taps'
+  # 8 channels: 81 tiny products; their fixed costs make patches faster.
+  assert result['primary_narrow'] == 'patches'
 
 
 @needs_the_flag
@@ -95,7 +98,8 @@ def test_a_users_own_ynn_setting_is_respected():
     (12, 64, 3, 1),  # Su's trunk: space_to_depth (direct) on this CPU
     (14, 1, 5, 1),  # narrow: patches
     (13, 16, 5, 2),  # strided, regrouped to 64 channels
-    (20, 16, 9, 2),  # PrimaryCaps' shape: taps
+    (20, 16, 9, 2),  # PrimaryCaps' shape, 16 channels: patches
+    (14, 64, 9, 2),  # PrimaryCaps' shape, 64 channels: taps
 ])
 def test_conv2d_default_equals_direct_in_values_and_gradients(
     height, channels, kernel_size, stride):
