@@ -143,7 +143,8 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     'patches' where XLA:CPU's convolutions are YNNPACK's (their backward
     passes are slow) or where the regrouped input is narrow; where the
     input gradient as a convolution would cover many more positions than
-    the output, 'taps' (64 input channels and more) or 'patches'; else
+    the output, 'taps' (strided, 64 input channels and more) or
+    'patches'; else
     'space_to_depth' (a direct convolution after the regrouping; for
     stride 1 the direct convolution itself).
   """
@@ -152,5 +153,7 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
   if stride * stride * in_channels < PATCHES_BELOW_CHANNELS:
     return 'patches'
   if in_positions > TAPS_ABOVE_INPUT_RATIO * stride * stride * out_positions:
-    return 'taps' if in_channels >= TAPS_MIN_CHANNELS else 'patches'
+    # Taps were measured on strided convolutions only (PrimaryCaps).
+    wide = stride > 1 and in_channels >= TAPS_MIN_CHANNELS
+    return 'taps' if wide else 'patches'
   return 'space_to_depth'
