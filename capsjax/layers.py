@@ -180,61 +180,6 @@ def _space_to_depth(x: jax.Array, kernel: jax.Array, stride: int
   return x, kernel
 
 
-def _unfused(x: jax.Array, token: jax.Array) -> jax.Array:
-  """``x`` itself, behind a boundary that XLA:CPU does not fuse across.
-
-  The kernel gradient of a convolution transposes its input. XLA fuses the
-  input's elementwise producer (a bias and ReLU) into that transpose, whose
-  loop then runs 3-4x slower than the transpose of the stored input (the
-  paper CapsNet's conv1 output at batch 128: 83-97 ms against 23-27 ms).
-  XLA:CPU drops ``lax.optimization_barrier`` before fusion; a conditional
-  whose branches differ stays. ``token == token`` holds unless ``token`` is
-  NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros).
-  """
-  return jax.lax.cond(token == token, lambda x: x, lambda x: x + 0.0, x)
-
-
-def _kernel_gradient(x: jax.Array, kernel: jax.Array, cotangent: jax.Array,
-                     stride: int, padding: str = 'VALID') -> jax.Array:
-  """XLA's kernel gradient of ``_lax_conv(x, kernel, stride, padding)``,
-  its transposed input read from memory (``_unfused``)."""
-  x = _unfused(x, cotangent.reshape(-1)[0])
-  _, kernel_vjp = jax.vjp(lambda k: _lax_conv(x, k, stride, padding), kernel)
-  return kernel_vjp(cotangent)[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def eigen_conv(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
-               padding: str = 'VALID') -> jax.Array:
-  """``lax.conv_general_dilated`` whose kernel gradient reads its input
-  from memory instead of recomputing it inside a slow transposing loop
-  (``_unfused``); values and both gradients are XLA's own.
-
-  Args:
-    x: [B, H, W, C].
-    kernel: [Kh, Kw, C, F].
-    stride: the same stride along both axes.
-    padding: 'VALID' or 'SAME'.
-  Returns:
-    [B, H', W', F].
-  """
-  return _lax_conv(jnp.asarray(x), jnp.asarray(kernel), stride, padding)
-
-
-def _eigen_conv_forward(x, kernel, stride, padding):
-  return eigen_conv(x, kernel, stride, padding), (x, kernel)
-
-
-def _eigen_conv_backward(stride, padding, residuals, cotangent):
-  x, kernel = residuals
-  _, input_vjp = jax.vjp(lambda x: _lax_conv(x, kernel, stride, padding), x)
-  return (input_vjp(cotangent)[0],
-          _kernel_gradient(x, kernel, cotangent, stride, padding))
-
-
-eigen_conv.defvjp(_eigen_conv_forward, _eigen_conv_backward)
-
-
 def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
                         ) -> jax.Array:
   """VALID convolution with ``stride``, computed as a stride-1 convolution
@@ -249,7 +194,7 @@ def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
     ``lax.conv_general_dilated(x, kernel, (s, s), 'VALID')``.
   """
   x, kernel = _space_to_depth(jnp.asarray(x), jnp.asarray(kernel), stride)
-  return eigen_conv(x, kernel)
+  return _lax_conv(x, kernel)
 
 
 def _check_kernel_fits(x: jax.Array, k_h: int, k_w: int) -> None:
@@ -312,6 +257,31 @@ def _patches_conv_backward(transpose, cotangent):
 patches_conv.defvjp(_patches_conv_forward, _patches_conv_backward)
 
 
+def _unfused(x: jax.Array, token: jax.Array) -> jax.Array:
+  """``x`` itself, behind a boundary that XLA:CPU does not fuse across.
+
+  The kernel gradient of a convolution transposes its input. XLA fuses the
+  input's elementwise producer (a bias and ReLU) into that transpose, whose
+  loop then runs 3-4x slower than the transpose of the stored input (the
+  paper CapsNet's conv1 output at batch 128: 83-97 ms against 23-27 ms).
+  XLA:CPU drops ``lax.optimization_barrier`` before fusion; a conditional
+  whose branches differ stays. ``token == token`` holds unless ``token`` is
+  NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros). Used by
+  ``taps_conv`` only: on Su's stride-1 layers it made the step about 5%
+  slower (BENCHMARKS.md, session 12).
+  """
+  return jax.lax.cond(token == token, lambda x: x, lambda x: x + 0.0, x)
+
+
+def _kernel_gradient(x: jax.Array, kernel: jax.Array, cotangent: jax.Array,
+                     stride: int, padding: str = 'VALID') -> jax.Array:
+  """XLA's kernel gradient of ``_lax_conv(x, kernel, stride, padding)``,
+  its transposed input read from memory (``_unfused``)."""
+  x = _unfused(x, cotangent.reshape(-1)[0])
+  _, kernel_vjp = jax.vjp(lambda k: _lax_conv(x, k, stride, padding), kernel)
+  return kernel_vjp(cotangent)[0]
+
+
 def _taps_input_gradient(cotangent: jax.Array, kernel: jax.Array,
                          stride: int, height: int, width: int) -> jax.Array:
   """Input gradient of a VALID convolution with ``stride``, tap by tap.
@@ -356,7 +326,8 @@ def taps_conv(x: ArrayLike, kernel: ArrayLike, stride: int) -> jax.Array:
   """VALID strided convolution that trains fast on XLA:CPU.
 
   Evaluated, and for its kernel gradient, it is XLA's strided convolution
-  (both run near the CPU's peak). Its input gradient, which XLA computes
+  (both run near the CPU's peak; the kernel gradient's transpose reads the
+  stored input: ``_unfused``). Its input gradient, which XLA computes
   as a convolution over the stride-dilated cotangent (12.9 s against
   0.23 s for the paper's PrimaryCaps at batch 64), is ``Kh * Kw`` matrix
   products added in place: ``_taps_input_gradient``. Measured:
@@ -433,10 +404,8 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     impl = 'direct'
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
-  if impl == 'direct':
+  if impl == 'direct' or (impl == 'space_to_depth' and stride == 1):
     return _lax_conv(x, kernel, stride, padding)
-  if impl == 'space_to_depth' and stride == 1:
-    return eigen_conv(x, kernel, 1, padding)
   if padding == 'SAME':
     x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
   if impl == 'space_to_depth':

@@ -67,6 +67,15 @@ def test_cpu_convs_equal_direct_in_values_and_gradients(
   np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
 
 
+def test_unfused_is_the_identity():
+  """The fusion boundary of the kernel gradients returns its input, on
+  either branch (a NaN token takes the second)."""
+  x = _random(0, (2, 3, 4))
+  for token in (1.0, np.nan):
+    np.testing.assert_array_equal(
+        jax.jit(layers._unfused)(x, jnp.float32(token)), x)  # pylint: disable=protected-access
+
+
 def test_patches_conv_is_the_convolution_sum():
   """patches_conv against the definition, in float64 NumPy: y[b, i, j, f] =
   sum_{u, v, c} x[b, i + u, j + v, c] k[u, v, c, f]."""
@@ -115,9 +124,15 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
 def test_conv2d_impls_and_padding(impl, padding, stride):
   x = _random(0, (2, 11, 10, 3))
   kernel = _random(1, (5, 5, 3, 4), 0.2)
-  out = layers.conv2d(x, kernel, stride, padding, impl)
-  np.testing.assert_allclose(out, _direct_conv(x, kernel, stride, padding),
-                             rtol=1e-5, atol=1e-5)
+  cotangent = _random(2, _direct_conv(x, kernel, stride, padding).shape)
+  run = jax.jit(_output_and_grads, static_argnums=0)
+  out, (gx, gk) = run(lambda x, k: layers.conv2d(x, k, stride, padding, impl),
+                      x, kernel, cotangent)
+  ref, (gx_ref, gk_ref) = run(
+      lambda x, k: _direct_conv(x, k, stride, padding), x, kernel, cotangent)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
 
 
 def test_conv2d_rejects_bad_arguments():
