@@ -172,6 +172,29 @@ def dx_s2d_taps_dus(dy, ks, hs, ws):
   return out
 
 
+def dx_grouped_dus(dy, k, s, hs, ws):
+  """The taps of each space-to-depth offset (a, b) in one product
+  dy @ [K_(sa+p, sb+q)]^T over the valid parities (p, q), added in place
+  into its box: 25 products and 29 adds for 9x9 stride 2 (81 + 81 as
+  single taps), no zero taps."""
+  kh, kw, c, f = k.shape
+  bsz, oh, ow, _ = dy.shape
+  out = jnp.zeros((bsz, hs, ws, s * s * c), dy.dtype)
+  for a in range(-(-kh // s)):
+    for b in range(-(-kw // s)):
+      ps = [p for p in range(s) if s * a + p < kh]
+      qs = [q for q in range(s) if s * b + q < kw]
+      kern = jnp.concatenate([k[s * a + p, s * b + q] for p in ps for q in qs], 0)
+      tap = jnp.einsum('bhwf,cf->bhwc', dy, kern)
+      pieces = ([(ps[0] * s * c, tap)] if len(qs) == s else
+                [(p * s * c, tap[..., i * len(qs) * c:(i + 1) * len(qs) * c]) for i, p in enumerate(ps)])
+      for chan, piece in pieces:
+        start = (0, a, b, chan)
+        cur = jax.lax.dynamic_slice(out, start, piece.shape)
+        out = jax.lax.dynamic_update_slice(out, cur + piece, start)
+  return out
+
+
 def depth_to_space(xs, s, h, w, c):
   b, hs, ws, _ = xs.shape
   x = xs.reshape(b, hs, ws, s, s, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, hs * s, ws * s, c)
@@ -208,6 +231,7 @@ def main(batch=int(__import__("os").environ.get("BATCH", 64))):
       'dx: s2d matmul + in-place blocks': (jax.jit(lambda dy, ks: depth_to_space(col2im_dus(jnp.einsum('bhwf,kf->bhwk', dy, ks.reshape(-1, 256)).reshape(batch, 6, 6, 5, 5, 1024), 10, 10), S, 20, 20, 256)), (dy, ks), 'dx'),
       'dx: 81 tap dots, in-place s2d boxes': (jax.jit(lambda dy, k: depth_to_space(dx_taps_dus(dy, k, S, 10, 10), S, 20, 20, 256)), (dy, k), 'dx'),
       'dx: 25 s2d tap dots, in-place blocks': (jax.jit(lambda dy, ks: depth_to_space(dx_s2d_taps_dus(dy, ks, 10, 10), S, 20, 20, 256)), (dy, ks), 'dx'),
+      'dx: 25 grouped tap dots, 29 in-place boxes': (jax.jit(lambda dy, k: depth_to_space(dx_grouped_dus(dy, k, S, 10, 10), S, 20, 20, 256)), (dy, k), 'dx'),
       'dx: 81 taps, interior pads': (jax.jit(lambda dy, k: dx_taps_pad(dy, k, (20, 20), S)), (dy, k), 'dx'),
       'dx: s2d one matmul + 25 pads': (jax.jit(lambda dy, ks: depth_to_space(dx_s2d_matmul(dy, ks, s2d_hw), S, 20, 20, 256)), (dy, ks), 'dx'),
       'dx: s2d 25 taps + pads': (jax.jit(lambda dy, ks: depth_to_space(dx_s2d_taps(dy, ks, s2d_hw), S, 20, 20, 256)), (dy, ks), 'dx'),
