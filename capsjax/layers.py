@@ -194,7 +194,7 @@ def space_to_depth_conv(x: ArrayLike, kernel: ArrayLike, stride: int
     ``lax.conv_general_dilated(x, kernel, (s, s), 'VALID')``.
   """
   x, kernel = _space_to_depth(jnp.asarray(x), jnp.asarray(kernel), stride)
-  return _lax_conv(x, kernel)
+  return eigen_conv(x, kernel)
 
 
 def _check_kernel_fits(x: jax.Array, k_h: int, k_w: int) -> None:
@@ -266,9 +266,7 @@ def _unfused(x: jax.Array, token: jax.Array) -> jax.Array:
   paper CapsNet's conv1 output at batch 128: 83-97 ms against 23-27 ms).
   XLA:CPU drops ``lax.optimization_barrier`` before fusion; a conditional
   whose branches differ stays. ``token == token`` holds unless ``token`` is
-  NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros). Used by
-  ``taps_conv`` only: on Su's stride-1 layers it made the step about 5%
-  slower (BENCHMARKS.md, session 12).
+  NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros).
   """
   return jax.lax.cond(token == token, lambda x: x, lambda x: x + 0.0, x)
 
@@ -277,9 +275,42 @@ def _kernel_gradient(x: jax.Array, kernel: jax.Array, cotangent: jax.Array,
                      stride: int, padding: str = 'VALID') -> jax.Array:
   """XLA's kernel gradient of ``_lax_conv(x, kernel, stride, padding)``,
   its transposed input read from memory (``_unfused``)."""
-  x = _unfused(x, cotangent.reshape(-1)[0])
+  # Keyed on x itself, the boundary need not wait for the backward pass.
+  x = _unfused(x, x.reshape(-1)[0])
   _, kernel_vjp = jax.vjp(lambda k: _lax_conv(x, k, stride, padding), kernel)
   return kernel_vjp(cotangent)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def eigen_conv(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
+               padding: str = 'VALID') -> jax.Array:
+  """``lax.conv_general_dilated`` whose kernel gradient reads its input
+  from memory instead of recomputing it inside a slow transposing loop
+  (``_unfused``); values and both gradients are XLA's own.
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+    stride: the same stride along both axes.
+    padding: 'VALID' or 'SAME'.
+  Returns:
+    [B, H', W', F].
+  """
+  return _lax_conv(jnp.asarray(x), jnp.asarray(kernel), stride, padding)
+
+
+def _eigen_conv_forward(x, kernel, stride, padding):
+  return eigen_conv(x, kernel, stride, padding), (x, kernel)
+
+
+def _eigen_conv_backward(stride, padding, residuals, cotangent):
+  x, kernel = residuals
+  _, input_vjp = jax.vjp(lambda x: _lax_conv(x, kernel, stride, padding), x)
+  return (input_vjp(cotangent)[0],
+          _kernel_gradient(x, kernel, cotangent, stride, padding))
+
+
+eigen_conv.defvjp(_eigen_conv_forward, _eigen_conv_backward)
 
 
 def _taps_input_gradient(cotangent: jax.Array, kernel: jax.Array,
@@ -373,7 +404,7 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       over patches: ``patches_conv``),
       'taps' (XLA's strided convolution, its input gradient computed tap by
       tap: ``taps_conv``),
-      'space_to_depth' (the regrouping, then ``lax.conv_general_dilated``)
+      'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution)
       or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
       ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth;
       taps where the input gradient would span many more positions than
@@ -404,8 +435,10 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     impl = 'direct'
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
-  if impl == 'direct' or (impl == 'space_to_depth' and stride == 1):
+  if impl == 'direct':
     return _lax_conv(x, kernel, stride, padding)
+  if impl == 'space_to_depth' and stride == 1:
+    return eigen_conv(x, kernel, 1, padding)
   if padding == 'SAME':
     x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
   if impl == 'space_to_depth':
