@@ -272,11 +272,10 @@ def _unfused(x: jax.Array, token: jax.Array) -> jax.Array:
 
 
 def _kernel_gradient(x: jax.Array, kernel: jax.Array, cotangent: jax.Array,
-                     stride: int, padding: str = 'VALID') -> jax.Array:
+                     stride: int, padding: str, token: jax.Array) -> jax.Array:
   """XLA's kernel gradient of ``_lax_conv(x, kernel, stride, padding)``,
-  its transposed input read from memory (``_unfused``)."""
-  # Keyed on x itself, the boundary need not wait for the backward pass.
-  x = _unfused(x, x.reshape(-1)[0])
+  its transposed input read from memory (``_unfused`` keyed on ``token``)."""
+  x = _unfused(x, token)
   _, kernel_vjp = jax.vjp(lambda k: _lax_conv(x, k, stride, padding), kernel)
   return kernel_vjp(cotangent)[0]
 
@@ -306,8 +305,13 @@ def _eigen_conv_forward(x, kernel, stride, padding):
 def _eigen_conv_backward(stride, padding, residuals, cotangent):
   x, kernel = residuals
   _, input_vjp = jax.vjp(lambda x: _lax_conv(x, kernel, stride, padding), x)
+  # Keyed on x itself, the boundary need not wait for the backward pass:
+  # Su's capsule model at batch 128 trained at 590 against 566 img/s
+  # (medians of 6 alternated pairs) with it, and 5% slower than without the
+  # boundary when it was keyed on the cotangent (BENCHMARKS.md).
   return (input_vjp(cotangent)[0],
-          _kernel_gradient(x, kernel, cotangent, stride, padding))
+          _kernel_gradient(x, kernel, cotangent, stride, padding,
+                           x.reshape(-1)[0]))
 
 
 eigen_conv.defvjp(_eigen_conv_forward, _eigen_conv_backward)
@@ -384,7 +388,10 @@ def _taps_conv_backward(stride, residuals, cotangent):
   x, kernel = residuals
   input_grad = _taps_input_gradient(cotangent, kernel, stride, x.shape[1],
                                     x.shape[2])
-  return input_grad, _kernel_gradient(x, kernel, cotangent, stride)
+  # Keyed on the cotangent: keyed on x, the paper CapsNet at batch 128
+  # trained 2-3% slower in two alternated pairs (BENCHMARKS.md).
+  return input_grad, _kernel_gradient(x, kernel, cotangent, stride, 'VALID',
+                                      cotangent.reshape(-1)[0])
 
 
 taps_conv.defvjp(_taps_conv_forward, _taps_conv_backward)
