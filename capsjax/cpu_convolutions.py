@@ -144,9 +144,8 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     passes are slow) or where the regrouped input is narrow; where the
     input gradient as a convolution would cover many more positions than
     the output, 'taps' (strided, 64 input channels and more) or
-    'patches'; else
-    'space_to_depth' (a direct convolution after the regrouping; for
-    stride 1 the direct convolution itself).
+    'patches'; else 'space_to_depth' (a direct convolution after the
+    regrouping; for stride 1 the direct convolution itself).
   """
   if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
     return 'patches'

@@ -257,8 +257,9 @@ def _patches_conv_backward(transpose, cotangent):
 patches_conv.defvjp(_patches_conv_forward, _patches_conv_backward)
 
 
-def _unfused(x: jax.Array, token: jax.Array) -> jax.Array:
-  """``x`` itself, behind a boundary that XLA:CPU does not fuse across.
+def _unfused(x: jax.Array, key: jax.Array) -> jax.Array:
+  """``x`` itself, behind a boundary that XLA:CPU does not fuse across,
+  which waits for ``key`` (any array; its first entry is the token).
 
   The kernel gradient of a convolution transposes its input. XLA fuses the
   input's elementwise producer (a bias and ReLU) into that transpose, whose
@@ -266,16 +267,18 @@ def _unfused(x: jax.Array, token: jax.Array) -> jax.Array:
   paper CapsNet's conv1 output at batch 128: 83-97 ms against 23-27 ms).
   XLA:CPU drops ``lax.optimization_barrier`` before fusion; a conditional
   whose branches differ stays. ``token == token`` holds unless ``token`` is
-  NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros).
+  NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros). An
+  empty ``key`` (an empty batch) gives the token 0.
   """
+  token = jnp.sum(key.reshape(-1)[:1])
   return jax.lax.cond(token == token, lambda x: x, lambda x: x + 0.0, x)
 
 
 def _kernel_gradient(x: jax.Array, kernel: jax.Array, cotangent: jax.Array,
-                     stride: int, padding: str, token: jax.Array) -> jax.Array:
+                     stride: int, padding: str, key: jax.Array) -> jax.Array:
   """XLA's kernel gradient of ``_lax_conv(x, kernel, stride, padding)``,
-  its transposed input read from memory (``_unfused`` keyed on ``token``)."""
-  x = _unfused(x, token)
+  its transposed input read from memory (``_unfused`` keyed on ``key``)."""
+  x = _unfused(x, key)
   _, kernel_vjp = jax.vjp(lambda k: _lax_conv(x, k, stride, padding), kernel)
   return kernel_vjp(cotangent)[0]
 
@@ -310,8 +313,7 @@ def _eigen_conv_backward(stride, padding, residuals, cotangent):
   # (medians of 6 alternated pairs) with it, and 5% slower than without the
   # boundary when it was keyed on the cotangent (BENCHMARKS.md).
   return (input_vjp(cotangent)[0],
-          _kernel_gradient(x, kernel, cotangent, stride, padding,
-                           x.reshape(-1)[0]))
+          _kernel_gradient(x, kernel, cotangent, stride, padding, x))
 
 
 eigen_conv.defvjp(_eigen_conv_forward, _eigen_conv_backward)
@@ -391,7 +393,7 @@ def _taps_conv_backward(stride, residuals, cotangent):
   # Keyed on the cotangent: keyed on x, the paper CapsNet at batch 128
   # trained 2-3% slower in two alternated pairs (BENCHMARKS.md).
   return input_grad, _kernel_gradient(x, kernel, cotangent, stride, 'VALID',
-                                      cotangent.reshape(-1)[0])
+                                      cotangent)
 
 
 taps_conv.defvjp(_taps_conv_forward, _taps_conv_backward)

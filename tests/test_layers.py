@@ -71,9 +71,21 @@ def test_unfused_is_the_identity():
   """The fusion boundary of the kernel gradients returns its input, on
   either branch (a NaN token takes the second)."""
   x = _random(0, (2, 3, 4))
-  for token in (1.0, np.nan):
+  for key in ([1.0], [np.nan, 1.0], []):  # an empty key: an empty batch
     np.testing.assert_array_equal(
-        jax.jit(layers._unfused)(x, jnp.float32(token)), x)  # pylint: disable=protected-access
+        jax.jit(layers._unfused)(x, jnp.asarray(key, jnp.float32)), x)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('impl,stride', [('space_to_depth', 1),
+                                         ('taps', 2)])
+def test_conv2d_gradients_of_an_empty_batch(impl, stride):
+  """The fusion boundary of the kernel gradient is keyed on an array that
+  may be empty; the gradients then are those of XLA's convolution."""
+  x, kernel = jnp.zeros((0, 8, 8, 4)), _random(1, (3, 3, 4, 2))
+  grads = jax.grad(lambda x, k: layers.conv2d(x, k, stride, impl=impl).sum(),
+                   argnums=(0, 1))(x, kernel)
+  chex.assert_shape(grads, [(0, 8, 8, 4), (3, 3, 4, 2)])
+  np.testing.assert_array_equal(grads[1], 0.0)
 
 
 def test_patches_conv_is_the_convolution_sum():
