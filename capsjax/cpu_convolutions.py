@@ -115,7 +115,9 @@ def ynn_convolutions() -> bool:
 # product over patches is faster: the 9x9 1 -> 256 first layer of the paper
 # CapsNet at batch 64 trains in 83 ms as patches and 167 ms direct; at 64
 # channels and more direct wins (Su's 3x3 64 -> 64: 72 against 138 ms).
-PATCHES_BELOW_CHANNELS = 16
+# With the patches channel-major (layers.narrow_conv) that layer's forward
+# and gradients at batch 128 take 59-61 ms against 103-116 as patches.
+NARROW_BELOW_CHANNELS = 16
 # The input gradient of a direct convolution is a convolution over the
 # whole (padded) input: input positions / output positions times the
 # forward's work. At 2.8 (PrimaryCaps: 10x10 regrouped input, 6x6 output)
@@ -141,16 +143,16 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     out_positions: H' * W' of its output.
   Returns:
     'patches' where XLA:CPU's convolutions are YNNPACK's (their backward
-    passes are slow) or where the regrouped input is narrow; where the
-    input gradient as a convolution would cover many more positions than
-    the output, 'taps' (strided, 64 input channels and more) or
+    passes are slow); 'narrow' where the regrouped input is narrow; where
+    the input gradient as a convolution would cover many more positions
+    than the output, 'taps' (strided, 64 input channels and more) or
     'patches'; else 'space_to_depth' (a direct convolution after the
     regrouping; for stride 1 the direct convolution itself).
   """
   if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
     return 'patches'
-  if stride * stride * in_channels < PATCHES_BELOW_CHANNELS:
-    return 'patches'
+  if stride * stride * in_channels < NARROW_BELOW_CHANNELS:
+    return 'narrow'
   if in_positions > TAPS_ABOVE_INPUT_RATIO * stride * stride * out_positions:
     # Taps were measured on strided convolutions only (PrimaryCaps).
     wide = stride > 1 and in_channels >= TAPS_MIN_CHANNELS

@@ -50,7 +50,7 @@ AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
 OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_BIAS_INIT = 0.1
 
-CONV_IMPLS = ('patches', 'taps', 'space_to_depth', 'direct')
+CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct')
 
 
 # Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
@@ -257,6 +257,63 @@ def _patches_conv_backward(transpose, cotangent):
 patches_conv.defvjp(_patches_conv_forward, _patches_conv_backward)
 
 
+def _channel_major_patches(x: jax.Array, k_h: int, k_w: int) -> jax.Array:
+  """The windows of ``x`` [B, H, W, C] as a [Kh*Kw*C, B*H'*W'] matrix, rows
+  in (row, column, channel) order (an HWIO kernel's), columns in the output's
+  (batch, row, column) order. Small when C is: the window axis leads, so
+  ``patches @ cotangent`` is a plain product with no transposed operand."""
+  _check_kernel_fits(x, k_h, k_w)
+  batch, height, width, channels = x.shape
+  out_h, out_w = height - k_h + 1, width - k_w + 1
+  x = jnp.moveaxis(x, -1, 0)  # [C, B, H, W]
+  windows = [x[:, :, i:i + out_h, j:j + out_w] for i in range(k_h)
+             for j in range(k_w)]
+  return jnp.stack(windows).reshape(k_h * k_w * channels,
+                                    batch * out_h * out_w)
+
+
+@jax.custom_vjp
+def narrow_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
+  """Stride-1 VALID convolution of a narrow input (a first layer's image
+  channels) that trains fast on XLA:CPU.
+
+  Evaluated, and in training's forward pass, it is XLA's convolution. Its
+  kernel gradient is one product, ``patches @ cotangent`` with the patches
+  channel-major ([Kh*Kw*C, B*H'*W'], ``_channel_major_patches``): XLA's
+  kernel gradient, or ``patches_conv``'s ``patches^T @ cotangent``,
+  first transposes the wide cotangent (Su's first layer at batch 128:
+  5.4-8.9 ms for its forward and gradients against 27-33 ms as
+  ``patches_conv``; BENCHMARKS.md). Its input gradient, needed only by
+  attacks on the images, is ``patches_conv``'s.
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+  Returns:
+    [B, H - Kh + 1, W - Kw + 1, F].
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  _check_kernel_fits(x, *kernel.shape[:2])
+  return _lax_conv(x, kernel)
+
+
+def _narrow_conv_forward(x, kernel):
+  return narrow_conv(x, kernel), (x, kernel)
+
+
+def _narrow_conv_backward(residuals, cotangent):
+  x, kernel = residuals
+  k_h, k_w, _, features = kernel.shape
+  # The product's forward half is unused here and removed by XLA.
+  _, input_vjp = jax.vjp(lambda x: _patches_matmul(x, kernel), x)
+  kernel_grad = (_channel_major_patches(x, k_h, k_w) @
+                 cotangent.reshape(-1, features))
+  return input_vjp(cotangent)[0], kernel_grad.reshape(kernel.shape)
+
+
+narrow_conv.defvjp(_narrow_conv_forward, _narrow_conv_backward)
+
+
 def _unfused(x: jax.Array, key: jax.Array) -> jax.Array:
   """``x`` itself, behind a boundary that XLA:CPU does not fuse across,
   which waits for ``key`` (any array; its first entry is the token).
@@ -411,14 +468,17 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     impl: 'patches' (a strided convolution regrouped space-to-depth into a
       stride-1 one, evaluated by XLA and differentiated as matrix products
       over patches: ``patches_conv``),
+      'narrow' (the same regrouping, then XLA's convolution with its kernel
+      gradient one product over channel-major patches: ``narrow_conv``),
       'taps' (XLA's strided convolution, its input gradient computed tap by
       tap: ``taps_conv``),
       'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution)
       or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
       ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth;
       taps where the input gradient would span many more positions than
-      the output; patches for narrow inputs or where XLA:CPU's convolutions
-      are YNNPACK's, whose backward pass is slow: BENCHMARKS.md) and direct
+      the output; narrow for narrow inputs; patches where XLA:CPU's
+      convolutions are YNNPACK's, whose backward pass is slow: BENCHMARKS.md)
+      and direct
       elsewhere: on GPU the zero taps of the regrouped kernel would add 23%
       MACs to the 9x9 stride-2 PrimaryCaps conv and cuDNN's kernels have no
       such backward problem.
@@ -456,6 +516,8 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     return taps_conv(x, kernel, stride)
   if stride > 1:
     x, kernel = _space_to_depth(x, kernel, stride)
+  if impl == 'narrow':
+    return narrow_conv(x, kernel)
   return patches_conv(x, kernel)
 
 

@@ -66,8 +66,8 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['ynn'] is False  # the compiler obeyed
   assert result['wide'] == 'space_to_depth'
   assert result['strided'] == 'space_to_depth'  # 3 * 3 * 3 = 27 channels
-  assert result['narrow'] == 'patches'
-  assert result['strided_narrow'] == 'patches'  # 2 * 2 * 3 = 12 channels
+  assert result['narrow'] == 'narrow'
+  assert result['strided_narrow'] == 'narrow'  # 2 * 2 * 3 = 12 channels
   assert result['primary'] == 'taps'
   # 8 channels: 81 tiny products; their fixed costs make patches faster.
   assert result['primary_narrow'] == 'patches'
@@ -96,7 +96,8 @@ def test_a_users_own_ynn_setting_is_respected():
 
 @pytest.mark.parametrize('height,channels,kernel_size,stride', [
     (12, 64, 3, 1),  # Su's trunk: space_to_depth (direct) on this CPU
-    (14, 1, 5, 1),  # narrow: patches
+    (14, 1, 5, 1),  # narrow
+    (13, 3, 5, 2),  # strided, regrouped to 12 channels: narrow
     (13, 16, 5, 2),  # strided, regrouped to 64 channels
     (20, 16, 9, 2),  # PrimaryCaps' shape, 16 channels: patches
     (14, 64, 9, 2),  # PrimaryCaps' shape, 64 channels: taps

@@ -47,7 +47,8 @@ def _output_and_grads(conv, x, kernel, cotangent):
     (2, 3, 8, 7),  # kernel smaller than the stride
     (3, 3, 3, 5),  # kernel = input height
 ])
-@pytest.mark.parametrize('impl', ['space_to_depth', 'patches', 'taps'])
+@pytest.mark.parametrize('impl', ['space_to_depth', 'patches', 'narrow',
+                                  'taps'])
 def test_cpu_convs_equal_direct_in_values_and_gradients(
     impl, kernel_size, stride, height, width):
   x = _random(0, (2, height, width, 3))
@@ -99,6 +100,24 @@ def test_patches_conv_is_the_convolution_sum():
       ref += np.einsum('bijc,cf->bijf', x[:, u:u + 4, v:v + 6], kernel[u, v])
   out = layers.patches_conv(x.astype(np.float32), kernel.astype(np.float32))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_conv_kernel_gradient_is_the_correlation_sum():
+  """narrow_conv's kernel gradient (one product over channel-major patches)
+  against its definition in float64 NumPy: dk[u, v, c, f] =
+  sum_{b, i, j} x[b, i + u, j + v, c] dy[b, i, j, f]; a non-square kernel
+  and two channels, so a wrong window order or channel interleave shows."""
+  x = np.asarray(_random(0, (3, 7, 6, 2)), np.float64)
+  cotangent = np.asarray(_random(2, (3, 5, 3, 4)), np.float64)
+  ref = np.zeros((3, 4, 2, 4))
+  for u in range(3):
+    for v in range(4):
+      ref[u, v] = np.einsum('bijc,bijf->cf', x[:, u:u + 5, v:v + 3],
+                            cotangent)
+  kernel = jnp.zeros((3, 4, 2, 4), jnp.float32)
+  _, vjp = jax.vjp(layers.narrow_conv, x.astype(np.float32), kernel)
+  np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[1], ref,
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('kernel_size,stride,height,width', [

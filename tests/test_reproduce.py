@@ -19,6 +19,7 @@ import time
 import pytest
 
 from experiments import reproduce
+from experiments.configs import capsnet_mnist
 from tests import conftest
 from tests.conftest import REPO
 
@@ -357,7 +358,7 @@ def test_smoke_suite_stops_on_sigterm_resumes_and_finishes(tmp_path):
   assert state['capsnet_mnist']['status'] == 'interrupted; rerun to continue'
   log = open(workdir / 'capsnet_mnist' / 'reproduce.log').read()
   stopped = int(log.split('stopped at step ')[1].split(',')[0])
-  assert 100 <= stopped < 450
+  assert 100 <= stopped < capsnet_mnist.get_config('smoke').num_train_steps
   assert state['matrix_capsnet_mnist']['status'] == 'not started'
 
   second = _smoke_suite(workdir, f'--affnist_dir={tmp_path / "affnist"}')
