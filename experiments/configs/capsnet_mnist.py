@@ -31,16 +31,17 @@ def get_config(variant: str = ''):
       config.model_options.conv1_channels = 32
       config.model_options.primary_types = 8
       config.model_options.decoder_widths = (64, 128)
-      # 900 steps of batch 64: 62 s of training on this 2-core CPU (4 host
-      # devices, session 13), 98.53% test accuracy (validation 97.38% at
-      # step 225, 97.90% at 450, 98.58% at 900). 450 steps were the CI run
-      # before the CPU convolution path (102 s under load, 97.98% test); the
-      # time it saved went back to accuracy (results/ci_smoke_retime). A
-      # higher, faster decaying learning rate than the paper's for so short
-      # a run: 97.98% against 97.74% validation accuracy at step 400 with
-      # lr 1e-3.
+      # 450 steps of batch 64: 102 s of training on this 2-core CPU under
+      # outside load (281 img/s), 97.98% test accuracy, so that slower CI
+      # machines stay inside the 5-minute budget
+      # (results/capsnet_mnist_smoke). A higher, faster decaying learning
+      # rate than the paper's for so short a run: 97.98% against 97.74%
+      # validation accuracy at step 400 with lr 1e-3. 900 steps (62 s here
+      # in session 13) reached 98.53% test; not adopted: the CI run has no
+      # time to spare and this claim has its margin
+      # (results/ci_smoke_retime).
       config.batch_size = 64
-      config.num_train_steps = 900
+      config.num_train_steps = 450
       config.learning_rate = 2e-3
       config.lr_decay_steps = 100
       config.lr_decay_rate = 0.8
