@@ -214,6 +214,13 @@ def _patches(x: jax.Array, k_h: int, k_w: int) -> jax.Array:
   return windows[0] if len(windows) == 1 else jnp.concatenate(windows, -1)
 
 
+def _checked_valid_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
+  """XLA's stride-1 VALID convolution, once the kernel is known to fit."""
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  _check_kernel_fits(x, *kernel.shape[:2])
+  return _lax_conv(x, kernel)
+
+
 @jax.custom_vjp
 def patches_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
   """Stride-1 VALID convolution that trains fast on XLA:CPU.
@@ -233,9 +240,7 @@ def patches_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
   Returns:
     [B, H - Kh + 1, W - Kw + 1, F].
   """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
-  _check_kernel_fits(x, *kernel.shape[:2])
-  return _lax_conv(x, kernel)
+  return _checked_valid_conv(x, kernel)
 
 
 def _patches_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -281,10 +286,11 @@ def narrow_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
   kernel gradient is one product, ``patches @ cotangent`` with the patches
   channel-major ([Kh*Kw*C, B*H'*W'], ``_channel_major_patches``): XLA's
   kernel gradient, or ``patches_conv``'s ``patches^T @ cotangent``,
-  first transposes the wide cotangent (Su's first layer at batch 128:
-  5.4-8.9 ms for its forward and gradients against 27-33 ms as
-  ``patches_conv``; BENCHMARKS.md). Its input gradient, needed only by
-  attacks on the images, is ``patches_conv``'s.
+  first transposes the wide cotangent (Su's first layer at batch 128,
+  alone: 5-9 ms for its forward and gradients against 27-33 ms as
+  ``patches_conv``; in the whole train step 1-4% faster: BENCHMARKS.md).
+  Its input gradient, needed only by attacks on the images, is
+  ``patches_conv``'s.
 
   Args:
     x: [B, H, W, C].
@@ -292,9 +298,7 @@ def narrow_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
   Returns:
     [B, H - Kh + 1, W - Kw + 1, F].
   """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
-  _check_kernel_fits(x, *kernel.shape[:2])
-  return _lax_conv(x, kernel)
+  return _checked_valid_conv(x, kernel)
 
 
 def _narrow_conv_forward(x, kernel):
