@@ -482,10 +482,9 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       taps where the input gradient would span many more positions than
       the output; narrow for narrow inputs; patches where XLA:CPU's
       convolutions are YNNPACK's, whose backward pass is slow: BENCHMARKS.md)
-      and direct
-      elsewhere: on GPU the zero taps of the regrouped kernel would add 23%
-      MACs to the 9x9 stride-2 PrimaryCaps conv and cuDNN's kernels have no
-      such backward problem.
+      and direct elsewhere: on GPU the zero taps of the regrouped kernel
+      would add 23% MACs to the 9x9 stride-2 PrimaryCaps conv and cuDNN's
+      kernels have no such backward problem.
   Returns:
     [B, H', W', F].
   """
