@@ -36,6 +36,19 @@ def _output_and_grads(conv, x, kernel, cotangent):
   return out, vjp(cotangent)
 
 
+def _assert_equals_direct(fast, direct, x, kernel, cotangent):
+  """``fast`` and ``direct`` (convolutions of (x, kernel)) agree in values
+  and in the gradients with respect to both the input and the kernel;
+  returns fast's output."""
+  run = jax.jit(_output_and_grads, static_argnums=0)
+  out, (gx, gk) = run(fast, x, kernel, cotangent)
+  ref, (gx_ref, gk_ref) = run(direct, x, kernel, cotangent)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
+  return out
+
+
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
     (9, 1, 28, 28),  # CapsNet conv1
     (3, 1, 7, 9),  # Su's trunk
@@ -56,16 +69,10 @@ def test_cpu_convs_equal_direct_in_values_and_gradients(
   out_shape = (2, (height - kernel_size) // stride + 1,
                (width - kernel_size) // stride + 1, 4)
   cotangent = _random(2, out_shape)
-  fast = lambda x, k: layers.conv2d(x, k, stride, impl=impl)
-  direct = lambda x, k: _direct_conv(x, k, stride)
-  run = jax.jit(_output_and_grads, static_argnums=0)
-  out, (gx, gk) = run(fast, x, kernel, cotangent)
-  ref, (gx_ref, gk_ref) = run(direct, x, kernel, cotangent)
+  out = _assert_equals_direct(
+      lambda x, k: layers.conv2d(x, k, stride, impl=impl),
+      lambda x, k: _direct_conv(x, k, stride), x, kernel, cotangent)
   chex.assert_shape(out, out_shape)
-  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-  # Gradients with respect to both the input and the kernel.
-  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
 
 
 def test_unfused_is_the_identity():
@@ -156,14 +163,9 @@ def test_conv2d_impls_and_padding(impl, padding, stride):
   x = _random(0, (2, 11, 10, 3))
   kernel = _random(1, (5, 5, 3, 4), 0.2)
   cotangent = _random(2, _direct_conv(x, kernel, stride, padding).shape)
-  run = jax.jit(_output_and_grads, static_argnums=0)
-  out, (gx, gk) = run(lambda x, k: layers.conv2d(x, k, stride, padding, impl),
-                      x, kernel, cotangent)
-  ref, (gx_ref, gk_ref) = run(
+  _assert_equals_direct(
+      lambda x, k: layers.conv2d(x, k, stride, padding, impl),
       lambda x, k: _direct_conv(x, k, stride, padding), x, kernel, cotangent)
-  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
 
 
 def test_conv2d_rejects_bad_arguments():

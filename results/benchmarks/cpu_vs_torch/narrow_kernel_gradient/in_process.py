@@ -2,12 +2,11 @@
 as narrow_conv and as patches_conv (cpu_conv_impl patched while tracing),
 in one process, alternated: R rounds of N steps each, median step.
 PYTHONPATH=. python this MODEL BATCH [ROUNDS] [STEPS]"""
-import sys, time
+import sys
 sys.path.insert(0, 'results/benchmarks/cpu_vs_torch/profile')
 from experiments import launcher  # noqa: F401
-import jax, numpy as np
 from capsjax import cpu_convolutions
-from train_step import compiled_train_step
+from train_step import compiled_train_step, time_alternately
 
 spec, batch = sys.argv[1], int(sys.argv[2])
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 5
@@ -21,17 +20,4 @@ for name in ('narrow', 'patches'):
   _, comp, (state, images, labels, key) = compiled_train_step([spec, str(batch)])
   compiled[name] = [comp, state]
 cpu_convolutions.cpu_conv_impl = shipped
-times = {n: [] for n in compiled}
-for r in range(rounds):
-  for name, entry in compiled.items():
-    comp, state = entry
-    state, _ = comp(state, images, labels, key); jax.block_until_ready(state)
-    t = time.perf_counter()
-    for _ in range(steps):
-      state, _ = comp(state, images, labels, key)
-    jax.block_until_ready(state)
-    times[name].append((time.perf_counter() - t) / steps)
-    entry[1] = state
-  print(f'round {r}: ' + ', '.join(f'{n} {times[n][-1] * 1e3:.1f} ms' for n in times), flush=True)
-for n, ts in times.items():
-  print(f'{spec} b{batch} {n}: median step {np.median(ts) * 1e3:.1f} ms, {batch / np.median(ts):.1f} img/s')
+time_alternately(compiled, images, labels, key, rounds, steps, f'{spec} b{batch}')

@@ -1,7 +1,7 @@
 """The compiled train step these profiles time: argv SPEC BATCH [KEY=VALUE...]
 (a benchmark --model spec, the batch, model options); float32, random uint8
 images, donated state, as experiments.benchmark runs it."""
-import functools, sys, numpy as np, jax
+import functools, sys, time, numpy as np, jax
 from experiments import benchmark
 from capsjax.training import state as state_lib
 
@@ -20,3 +20,25 @@ def compiled_train_step(argv=None):
     key = jax.random.PRNGKey(0)
     comp = train.lower(state, images, labels, key).compile()
     return config, comp, (state, images, labels, key)
+
+
+def time_alternately(compiled, images, labels, key, rounds, steps, title):
+    """compiled: {name: [compiled step, state]}; runs `steps` steps of each
+    in turn, `rounds` times (one warm-up step before each), and prints each
+    round and each name's median step. Added in session 13 for the
+    in-process A/B scripts (narrow_kernel_gradient/, relu_pool/)."""
+    times = {n: [] for n in compiled}
+    for r in range(rounds):
+        for name, entry in compiled.items():
+            comp, state = entry
+            state, _ = comp(state, images, labels, key); jax.block_until_ready(state)
+            t = time.perf_counter()
+            for _ in range(steps):
+                state, _ = comp(state, images, labels, key)
+            jax.block_until_ready(state)
+            times[name].append((time.perf_counter() - t) / steps)
+            entry[1] = state
+        print(f'round {r}: ' + ', '.join(f'{n} {times[n][-1] * 1e3:.1f} ms' for n in times), flush=True)
+    for n, ts in times.items():
+        print(f'{title} {n}: median step {np.median(ts) * 1e3:.1f} ms, '
+              f'{images.shape[0] / np.median(ts):.1f} img/s')

@@ -3,12 +3,12 @@ whose backward is one select over the 6-D view (the pool's broadcast
 inline) against autodiff's (a materialised broadcast, then the ReLU
 mask); one process, compiled train steps alternated.
 PYTHONPATH=. python this MODEL BATCH [ROUNDS] [STEPS]"""
-import sys, time
+import sys
 sys.path.insert(0, 'results/benchmarks/cpu_vs_torch/profile')
 from experiments import launcher  # noqa: F401
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
 from capsjax import models
-from train_step import compiled_train_step
+from train_step import compiled_train_step, time_alternately
 
 
 @jax.custom_vjp
@@ -50,17 +50,4 @@ for name in ('autodiff', 'fused'):
   _, comp, (state, images, labels, key) = compiled_train_step([spec, str(batch)])
   compiled[name] = [comp, state]
 models._SuTrunk.__call__ = shipped
-times = {n: [] for n in compiled}
-for r in range(rounds):
-  for name, entry in compiled.items():
-    comp, state = entry
-    state, _ = comp(state, images, labels, key); jax.block_until_ready(state)
-    t = time.perf_counter()
-    for _ in range(steps):
-      state, _ = comp(state, images, labels, key)
-    jax.block_until_ready(state)
-    times[name].append((time.perf_counter() - t) / steps)
-    entry[1] = state
-  print(f'round {r}: ' + ', '.join(f'{n} {times[n][-1] * 1e3:.1f} ms' for n in times), flush=True)
-for n, ts in times.items():
-  print(f'{spec} b{batch} {n}: median step {np.median(ts) * 1e3:.1f} ms, {batch / np.median(ts):.1f} img/s')
+time_alternately(compiled, images, labels, key, rounds, steps, f'{spec} b{batch}')
