@@ -125,6 +125,15 @@ NARROW_BELOW_CHANNELS = 16
 # patches and 1.04 as taps (batch 64); Su's layers (1.2-1.6) are faster
 # direct.
 TAPS_ABOVE_INPUT_RATIO = 2.0
+# Stride 1: XLA's input gradient is a convolution over the cotangent padded
+# by Kh-1, Kw-1, so it multiplies the padding's zeros too: input / output
+# positions times the needed work. Above 1.4 (Su's 3x3 layers on 12x12 and
+# 10x10: 1.44 and 1.56) taps train faster, alone at batch 128 32.8 against
+# 38.0 ms and 45.4 against 48.9 (PyTorch 31.6, 39.7); at 1.17 (Su's 26x26
+# layer) slower, 110.6 against 101.7; and at 1.31 (the baseline CNN's 5x5
+# SAME layers of 256 channels: 25 taps) the whole step took 6.0 s against
+# 4.3 s (BENCHMARKS.md, session 14).
+STRIDE1_TAPS_ABOVE_INPUT_RATIO = 1.4
 # Below this many input channels the taps' Kh*Kw products and in-place adds
 # are many small kernels whose fixed costs dominate: the CI's 8-channel
 # CapsNet took 15.9 s for its attacks with PrimaryCaps as taps against 1.1
@@ -146,7 +155,9 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     passes are slow); 'narrow' where the regrouped input is narrow; where
     the input gradient as a convolution would cover many more positions
     than the output, 'taps' (strided, 64 input channels and more) or
-    'patches'; else 'space_to_depth' (a direct convolution after the
+    'patches'; 'taps' for a stride-1 convolution of 64 channels and more
+    whose padded input gradient would cover over 1.4 times its output's
+    positions; else 'space_to_depth' (a direct convolution after the
     regrouping; for stride 1 the direct convolution itself).
   """
   if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
@@ -157,4 +168,7 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     # Taps were measured on strided convolutions only (PrimaryCaps).
     wide = stride > 1 and in_channels >= TAPS_MIN_CHANNELS
     return 'taps' if wide else 'patches'
+  if (stride == 1 and in_channels >= TAPS_MIN_CHANNELS and
+      in_positions > STRIDE1_TAPS_ABOVE_INPUT_RATIO * out_positions):
+    return 'taps'
   return 'space_to_depth'

@@ -524,6 +524,23 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   return patches_conv(x, kernel)
 
 
+def average_pool_2x2(x: jax.Array) -> jax.Array:
+  """Keras' AveragePooling2D(2): [B, H, W, C] -> [B, H // 2, W // 2, C] (an
+  odd last row or column dropped).
+
+  Four strided slices summed, which XLA:CPU fuses with the ReLU before it
+  into one loop; a reshape and mean becomes a YNNPACK reduction, for which
+  XLA materialises its operands, zeros included (Su's capsule model trained
+  1.02x faster at batch 128 with the slices: BENCHMARKS.md, session 14).
+  Summed in float32 for bfloat16 inputs.
+  """
+  h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
+  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  total = ((wide[:, 0:h:2, 0:w:2] + wide[:, 0:h:2, 1:w:2]) +
+           (wide[:, 1:h:2, 0:w:2] + wide[:, 1:h:2, 1:w:2]))
+  return (0.25 * total).astype(x.dtype)
+
+
 class Conv2D(nnx.Module):
   """Convolution + bias, NHWC: [B, H, W, in_features] -> [B, H', W', out_features].
 

@@ -464,9 +464,7 @@ class _SuTrunk(nnx.Module):
     for i, conv in enumerate(self.convs):
       x = jax.nn.relu(conv(x))
       if i == 1:
-        h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
-        x = x[:, :h, :w].reshape(x.shape[0], h // 2, 2, w // 2, 2, x.shape[-1])
-        x = x.mean(axis=(2, 4))
+        x = layers.average_pool_2x2(x)
     return x
 
 

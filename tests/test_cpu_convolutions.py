@@ -30,6 +30,12 @@ print(json.dumps({
     # Su's second layer; the first layers of CapsNet; PrimaryCaps (the
     # input gradient spans 400 positions for 36 outputs); 3x3 stride 3.
     'wide': c.cpu_conv_impl(64, 1, 26 * 26, 24 * 24),
+    # Su's last two layers: the padded input gradient spans 1.44 and 1.56
+    # times their outputs; the baseline CNN's 5x5 SAME layers 1.31.
+    'su_third': c.cpu_conv_impl(64, 1, 12 * 12, 10 * 10),
+    'su_fourth': c.cpu_conv_impl(128, 1, 10 * 10, 8 * 8),
+    'baseline_same': c.cpu_conv_impl(256, 1, 32 * 32, 28 * 28),
+    'su_fourth_narrow': c.cpu_conv_impl(32, 1, 10 * 10, 8 * 8),
     'narrow': c.cpu_conv_impl(1, 1, 28 * 28, 20 * 20),
     'primary': c.cpu_conv_impl(256, 2, 20 * 20, 6 * 6),
     'primary_narrow': c.cpu_conv_impl(8, 2, 20 * 20, 6 * 6),
@@ -65,6 +71,9 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['devices'] == 2
   assert result['ynn'] is False  # the compiler obeyed
   assert result['wide'] == 'space_to_depth'
+  assert result['su_third'] == result['su_fourth'] == 'taps'
+  assert result['baseline_same'] == 'space_to_depth'
+  assert result['su_fourth_narrow'] == 'space_to_depth'  # < 64 channels
   assert result['strided'] == 'space_to_depth'  # 3 * 3 * 3 = 27 channels
   assert result['narrow'] == 'narrow'
   assert result['strided_narrow'] == 'narrow'  # 2 * 2 * 3 = 12 channels
@@ -95,7 +104,8 @@ def test_a_users_own_ynn_setting_is_respected():
 
 
 @pytest.mark.parametrize('height,channels,kernel_size,stride', [
-    (12, 64, 3, 1),  # Su's trunk: space_to_depth (direct) on this CPU
+    (26, 64, 3, 1),  # Su's second layer: space_to_depth (direct)
+    (12, 64, 3, 1),  # Su's third: stride-1 taps (156 / 110 positions)
     (14, 1, 5, 1),  # narrow
     (13, 3, 5, 2),  # strided, regrouped to 12 channels: narrow
     (13, 16, 5, 2),  # strided, regrouped to 64 channels

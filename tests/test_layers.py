@@ -168,6 +168,35 @@ def test_conv2d_impls_and_padding(impl, padding, stride):
       lambda x, k: _direct_conv(x, k, stride, padding), x, kernel, cotangent)
 
 
+@pytest.mark.parametrize('height,width', [(24, 24), (7, 10), (5, 4)])
+def test_average_pool_2x2_is_keras_average_pooling(height, width):
+  """Against float64 NumPy: y[b, i, j] = mean of x[b, 2i:2i+2, 2j:2j+2],
+  an odd last row or column dropped (Keras' floor); its gradient puts a
+  quarter of the cotangent on each of the four inputs and 0 on the
+  dropped ones."""
+  x = np.asarray(_random(0, (2, height, width, 3)), np.float64)
+  h, w = height // 2, width // 2
+  ref = np.zeros((2, h, w, 3))
+  for i in range(h):
+    for j in range(w):
+      ref[:, i, j] = x[:, 2 * i:2 * i + 2, 2 * j:2 * j + 2].mean(axis=(1, 2))
+  cotangent = np.asarray(_random(1, (2, h, w, 3)), np.float64)
+  grad_ref = np.zeros_like(x)
+  grad_ref[:, :2 * h, :2 * w] = 0.25 * np.repeat(
+      np.repeat(cotangent, 2, axis=1), 2, axis=2)
+  out, vjp = jax.vjp(layers.average_pool_2x2, x.astype(np.float32))
+  chex.assert_shape(out, (2, h, w, 3))
+  np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[0], grad_ref,
+                             rtol=1e-6, atol=1e-6)
+  # bfloat16 in, bfloat16 out, summed in float32: within bfloat16's
+  # rounding of the float64 mean.
+  low = layers.average_pool_2x2(jnp.asarray(x, jnp.bfloat16))
+  assert low.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(low, np.float64),
+                             ref, rtol=1e-2, atol=1e-2)
+
+
 def test_conv2d_rejects_bad_arguments():
   x, kernel = jnp.zeros((1, 8, 8, 3)), jnp.zeros((3, 3, 3, 2))
   with pytest.raises(ValueError, match='conv_impl'):

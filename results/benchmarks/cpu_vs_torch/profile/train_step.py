@@ -1,7 +1,12 @@
 """The compiled train step these profiles time: argv SPEC BATCH [KEY=VALUE...]
 (a benchmark --model spec, the batch, model options); float32, random uint8
-images, donated state, as experiments.benchmark runs it."""
+images, donated state, as experiments.benchmark runs it: since session 14
+with glibc keeping freed memory (host_memory, which the experiments' launcher
+applies; sessions 12-13's profiles and in-process A/B ran without it, and
+their steps paid ~30,000 page faults each: Su's at b128 250 against 218 ms)."""
 import functools, sys, time, numpy as np, jax
+from capsjax.training import host_memory
+print('host memory:', host_memory.retain_freed_memory())
 from experiments import benchmark
 from capsjax.training import state as state_lib
 
