@@ -122,8 +122,7 @@ NARROW_BELOW_CHANNELS = 16
 # whole (padded) input: input positions / output positions times the
 # forward's work. At 2.8 (PrimaryCaps: 10x10 regrouped input, 6x6 output)
 # the paper CapsNet trains at 0.65 of PyTorch's speed direct, 0.78 as
-# patches and 1.04 as taps (batch 64); Su's layers (1.2-1.6) are faster
-# direct.
+# patches and 1.04 as taps (batch 64). Stride 1 has its own threshold:
 TAPS_ABOVE_INPUT_RATIO = 2.0
 # Stride 1: XLA's input gradient is a convolution over the cotangent padded
 # by Kh-1, Kw-1, so it multiplies the padding's zeros too: input / output
@@ -154,21 +153,19 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     'patches' where XLA:CPU's convolutions are YNNPACK's (their backward
     passes are slow); 'narrow' where the regrouped input is narrow; where
     the input gradient as a convolution would cover many more positions
-    than the output, 'taps' (strided, 64 input channels and more) or
-    'patches'; 'taps' for a stride-1 convolution of 64 channels and more
-    whose padded input gradient would cover over 1.4 times its output's
-    positions; else 'space_to_depth' (a direct convolution after the
-    regrouping; for stride 1 the direct convolution itself).
+    than the output, 'taps' (64 input channels and more; at stride 1 from
+    1.4 times the output's positions, strided from 2 times) or 'patches';
+    else 'space_to_depth' (a direct convolution after the regrouping; for
+    stride 1 the direct convolution itself).
   """
   if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
     return 'patches'
   if stride * stride * in_channels < NARROW_BELOW_CHANNELS:
     return 'narrow'
-  if in_positions > TAPS_ABOVE_INPUT_RATIO * stride * stride * out_positions:
-    # Taps were measured on strided convolutions only (PrimaryCaps).
-    wide = stride > 1 and in_channels >= TAPS_MIN_CHANNELS
-    return 'taps' if wide else 'patches'
-  if (stride == 1 and in_channels >= TAPS_MIN_CHANNELS and
+  wide = in_channels >= TAPS_MIN_CHANNELS
+  if (stride == 1 and wide and
       in_positions > STRIDE1_TAPS_ABOVE_INPUT_RATIO * out_positions):
     return 'taps'
+  if in_positions > TAPS_ABOVE_INPUT_RATIO * stride * stride * out_positions:
+    return 'taps' if wide and stride > 1 else 'patches'
   return 'space_to_depth'

@@ -36,6 +36,7 @@ print(json.dumps({
     'su_fourth': c.cpu_conv_impl(128, 1, 10 * 10, 8 * 8),
     'baseline_same': c.cpu_conv_impl(256, 1, 32 * 32, 28 * 28),
     'su_fourth_narrow': c.cpu_conv_impl(32, 1, 10 * 10, 8 * 8),
+    'stride1_tiny_grid': c.cpu_conv_impl(64, 1, 6 * 6, 4 * 4),  # 2.25
     'narrow': c.cpu_conv_impl(1, 1, 28 * 28, 20 * 20),
     'primary': c.cpu_conv_impl(256, 2, 20 * 20, 6 * 6),
     'primary_narrow': c.cpu_conv_impl(8, 2, 20 * 20, 6 * 6),
@@ -74,6 +75,7 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['su_third'] == result['su_fourth'] == 'taps'
   assert result['baseline_same'] == 'space_to_depth'
   assert result['su_fourth_narrow'] == 'space_to_depth'  # < 64 channels
+  assert result['stride1_tiny_grid'] == 'taps'
   assert result['strided'] == 'space_to_depth'  # 3 * 3 * 3 = 27 channels
   assert result['narrow'] == 'narrow'
   assert result['strided_narrow'] == 'narrow'  # 2 * 2 * 3 = 12 channels
