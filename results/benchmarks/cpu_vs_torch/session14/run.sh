@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 14: the ratio rows of the top table, each a separate process of
 # experiments.benchmark --compare=torch, alternated model by model, REPEAT
-# times. From the repository root: bash results/benchmarks/cpu_vs_torch/session14/run.sh TAG REPEAT MODEL:BATCH:STEPS...
-D=results/benchmarks/cpu_vs_torch/session14
+# times, into $D (default this folder). From the repository root: bash results/benchmarks/cpu_vs_torch/session14/run.sh TAG REPEAT MODEL:BATCH:STEPS...
+D=${D:-results/benchmarks/cpu_vs_torch/session14}
 source /work/venv/bin/activate 2>/dev/null || true
 tag=$1; repeat=$2; shift 2
 for r in $(seq 1 $repeat); do
