@@ -37,6 +37,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from capsjax import cpu_convolutions
+from capsjax import onednn
 from capsjax import routing
 from capsjax import votes as votes_lib
 
@@ -50,7 +51,8 @@ AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
 OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_BIAS_INIT = 0.1
 
-CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct')
+CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
+              'onednn')
 
 
 # Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
@@ -460,6 +462,22 @@ def _taps_conv_backward(stride, residuals, cotangent):
 taps_conv.defvjp(_taps_conv_forward, _taps_conv_backward)
 
 
+# oneDNN's convolutions (capsjax.onednn, where installed) take the CPU's
+# VALID stride-1 float32 convolutions from this many input channels: Su's
+# 3x3 layers (64 and 128) trained 1.19-1.23x as fast as PyTorch with them
+# against 0.93-1.00 with XLA's (BENCHMARKS.md, session 15). Narrower inputs
+# (the images) keep their measured lowerings.
+ONEDNN_MIN_CHANNELS = 16
+
+
+def _onednn_fits(x: jax.Array, kernel: jax.Array, stride: int,
+                 padding: str) -> bool:
+  """Whether oneDNN's convolution (``capsjax.onednn``) computes this one."""
+  return (stride == 1 and padding == 'VALID' and x.shape[0] > 0 and
+          x.dtype == kernel.dtype == jnp.float32 and
+          x.shape[1] >= kernel.shape[0] and x.shape[2] >= kernel.shape[1])
+
+
 def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
            padding: str = 'VALID', impl: str | None = None) -> jax.Array:
   """2-D convolution, NHWC, with a choice of implementation.
@@ -476,8 +494,11 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       gradient one product over channel-major patches: ``narrow_conv``),
       'taps' (XLA's strided convolution, its input gradient computed tap by
       tap: ``taps_conv``),
-      'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution)
-      or 'direct' (``lax.conv_general_dilated`` with the stride). None picks
+      'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution),
+      'direct' (``lax.conv_general_dilated`` with the stride) or 'onednn'
+      (oneDNN's, VALID stride-1 float32 only: ``capsjax.onednn``). None
+      picks 'onednn' on the CPU backend where it is installed and fits and
+      the input has ``ONEDNN_MIN_CHANNELS`` channels or more; else
       ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth;
       taps where the input gradient would span many more positions than
       the output; narrow for narrow inputs; patches where XLA:CPU's
@@ -497,7 +518,11 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
   pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
   pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
-  if impl is None and jax.default_backend() == 'cpu':
+  on_cpu = jax.default_backend() == 'cpu'
+  if (impl is None and on_cpu and x.shape[-1] >= ONEDNN_MIN_CHANNELS and
+      _onednn_fits(x, kernel, stride, padding) and onednn.available()):
+    impl = 'onednn'
+  elif impl is None and on_cpu:
     height, width = x.shape[1] + sum(pad_h), x.shape[2] + sum(pad_w)
     out_h = votes_lib.output_size(height, kernel.shape[0], stride)
     out_w = votes_lib.output_size(width, kernel.shape[1], stride)
@@ -509,6 +534,19 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
   if impl == 'direct':
     return _lax_conv(x, kernel, stride, padding)
+  if impl == 'onednn':
+    if not _onednn_fits(x, kernel, stride, padding):
+      raise ValueError(
+          "conv_impl='onednn' takes VALID stride-1 float32 convolutions of a "
+          f'non-empty batch that the kernel fits; got stride {stride}, '
+          f'padding {padding!r}, {x.dtype} input {x.shape}, kernel '
+          f'{kernel.shape}. Leave conv_impl unset.')
+    if not on_cpu:
+      raise ValueError("conv_impl='onednn' runs on the CPU backend only; "
+                       f'this one is {jax.default_backend()!r}.')
+    if not onednn.available():
+      raise ValueError(f"conv_impl='onednn': oneDNN is {onednn.status()}.")
+    return onednn.conv(x, kernel)
   if impl == 'space_to_depth' and stride == 1:
     return eigen_conv(x, kernel, 1, padding)
   if padding == 'SAME':

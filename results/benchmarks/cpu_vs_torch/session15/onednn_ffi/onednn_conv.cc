@@ -1,0 +1,151 @@
+// Session 15 prototype (not part of the package): a VALID stride-1 NHWC
+// convolution and both its gradients as XLA FFI calls into oneDNN, to
+// measure what oneDNN's kernels would give capsjax's CPU path.
+// x: [N, H, W, C] f32, kernel: [Kh, Kw, C, F] f32 (HWIO), y: [N, H', W', F].
+#include <cstdint>
+#include <string>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+using dt = dnnl::memory::data_type;
+
+namespace {
+
+dnnl::engine& Engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+struct Shapes {
+  memory::dim n, h, w, c, kh, kw, f, oh, ow;
+};
+
+Shapes ShapesOf(ffi::Span<const int64_t> x, ffi::Span<const int64_t> k) {
+  Shapes s{x[0], x[1], x[2], x[3], k[0], k[1], k[3], 0, 0};
+  s.oh = s.h - s.kh + 1;
+  s.ow = s.w - s.kw + 1;
+  return s;
+}
+
+memory::desc SrcDesc(const Shapes& s) {
+  return memory::desc({s.n, s.c, s.h, s.w}, dt::f32, tag::nhwc);
+}
+memory::desc DstDesc(const Shapes& s) {
+  return memory::desc({s.n, s.f, s.oh, s.ow}, dt::f32, tag::nhwc);
+}
+memory::desc UserWeightsDesc(const Shapes& s) {
+  return memory::desc({s.f, s.c, s.kh, s.kw}, dt::f32, tag::hwio);
+}
+memory::desc AnyWeightsDesc(const Shapes& s) {
+  return memory::desc({s.f, s.c, s.kh, s.kw}, dt::f32, tag::any);
+}
+
+dnnl::convolution_forward::primitive_desc ForwardDesc(const Shapes& s) {
+  return dnnl::convolution_forward::primitive_desc(
+      Engine(), dnnl::prop_kind::forward_training,
+      dnnl::algorithm::convolution_direct, SrcDesc(s), AnyWeightsDesc(s),
+      DstDesc(s), {1, 1}, {0, 0}, {0, 0});
+}
+
+// Runs `prim` with `args`, plus a reorder of the user's HWIO weights into
+// the layout the primitive wants (tiny: Kh*Kw*C*F floats).
+memory Weights(const memory::desc& wanted, const Shapes& s, float* data,
+               dnnl::stream& stream) {
+  memory user(UserWeightsDesc(s), Engine(), data);
+  if (wanted == user.get_desc()) return user;
+  memory out(wanted, Engine());
+  dnnl::reorder(user, out).execute(stream, user, out);
+  return out;
+}
+
+ffi::Error Forward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  Shapes s = ShapesOf(x.dimensions(), k.dimensions());
+  dnnl::stream stream(Engine());
+  auto pd = ForwardDesc(s);
+  memory src(SrcDesc(s), Engine(), x.typed_data());
+  memory dst(DstDesc(s), Engine(), y->typed_data());
+  memory wei = Weights(pd.weights_desc(), s, k.typed_data(), stream);
+  dnnl::convolution_forward(pd).execute(
+      stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+  stream.wait();
+  return ffi::Error::Success();
+}
+
+ffi::Error InputGrad(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> k,
+                     ffi::Buffer<ffi::F32> x_shape_like,
+                     ffi::ResultBuffer<ffi::F32> dx) {
+  Shapes s = ShapesOf(dx->dimensions(), k.dimensions());
+  dnnl::stream stream(Engine());
+  auto hint = ForwardDesc(s);
+  auto pd = dnnl::convolution_backward_data::primitive_desc(
+      Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
+      AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, hint);
+  memory diff_dst(DstDesc(s), Engine(), dy.typed_data());
+  memory diff_src(SrcDesc(s), Engine(), dx->typed_data());
+  memory wei = Weights(pd.weights_desc(), s, k.typed_data(), stream);
+  dnnl::convolution_backward_data(pd).execute(
+      stream, {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, wei},
+               {DNNL_ARG_DIFF_SRC, diff_src}});
+  stream.wait();
+  return ffi::Error::Success();
+}
+
+ffi::Error KernelGrad(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy,
+                      ffi::ResultBuffer<ffi::F32> dk) {
+  Shapes s = ShapesOf(x.dimensions(), dk->dimensions());
+  dnnl::stream stream(Engine());
+  auto hint = ForwardDesc(s);
+  auto pd = dnnl::convolution_backward_weights::primitive_desc(
+      Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
+      AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, hint);
+  memory src(SrcDesc(s), Engine(), x.typed_data());
+  memory diff_dst(DstDesc(s), Engine(), dy.typed_data());
+  memory user(UserWeightsDesc(s), Engine(), dk->typed_data());
+  bool direct = pd.diff_weights_desc() == user.get_desc();
+  memory diff_wei = direct ? user : memory(pd.diff_weights_desc(), Engine());
+  dnnl::convolution_backward_weights(pd).execute(
+      stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst},
+               {DNNL_ARG_DIFF_WEIGHTS, diff_wei}});
+  if (!direct) dnnl::reorder(diff_wei, user).execute(stream, diff_wei, user);
+  stream.wait();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" const char* ImplInfo(int64_t n, int64_t h, int64_t c, int64_t f) {
+  static std::string info;
+  Shapes s{n, h, h, c, 3, 3, f, h - 2, h - 2};
+  auto fwd = ForwardDesc(s);
+  auto bwd_w = dnnl::convolution_backward_weights::primitive_desc(
+      Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
+      AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, fwd);
+  auto bwd_d = dnnl::convolution_backward_data::primitive_desc(
+      Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
+      AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, fwd);
+  info = "forward " + std::string(fwd.impl_info_str()) + "; input grad " +
+         bwd_d.impl_info_str() + "; kernel grad " + bwd_w.impl_info_str();
+  return info.c_str();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConvForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConvInputGrad, InputGrad,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OnednnConvKernelGrad, KernelGrad,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
