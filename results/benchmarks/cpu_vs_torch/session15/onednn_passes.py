@@ -1,25 +1,27 @@
-"""Session 15 prototype: each pass of Su's three convolutions (batch B)
-as capsjax runs them, through oneDNN by XLA FFI (onednn_conv.py), and in
-PyTorch; values checked against XLA's. OMP_NUM_THREADS=2 PYTHONPATH=. python this [B]"""
+"""Session 15: each pass of Su's three convolutions (batch B) as XLA runs
+them (space_to_depth, taps), through oneDNN by XLA FFI (capsjax.onednn,
+the onednn extra), and in PyTorch; values checked against XLA's.
+PYTHONPATH=. python this [B]"""
 import os, sys, time, numpy as np
-sys.path.insert(0, os.path.dirname(__file__))
 from capsjax.training import host_memory
 print('host memory:', host_memory.retain_freed_memory())
 import jax, jax.numpy as jnp, torch
 from capsjax import layers
-from onednn_conv import onednn_conv, impl_info
+from capsjax import onednn
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 torch.set_num_threads(2)
 rng = np.random.default_rng(0)
 for h, w, c, f in ((26, 26, 64, 64), (12, 12, 64, 128), (10, 10, 128, 128)):
-  print(f'{h}x{w}x{c}->{f} oneDNN kernels: {impl_info(B, h, c, f)}')
+  print(f'{h}x{w}x{c}->{f} oneDNN kernels: {onednn.kernels(B, h, c, f)}')
   x = rng.standard_normal((B, h, w, c), np.float32)
   k = rng.standard_normal((3, 3, c, f), np.float32) * 0.1
   dy = rng.standard_normal((B, h - 2, w - 2, f), np.float32)
   xj, kj, dyj = map(jnp.asarray, (x, k, dy))
   sides = {}
-  for name, conv in (('capsjax', lambda x, k: layers.conv2d(x, k)), ('onednn', onednn_conv)):
+  xla_impl = 'taps' if h < 20 else 'space_to_depth'  # the pre-oneDNN default
+  for name, conv in (('capsjax', lambda x, k: layers.conv2d(x, k, impl=xla_impl)),
+                     ('onednn', lambda x, k: layers.conv2d(x, k, impl='onednn'))):
     fwd = jax.jit(conv)
     dx = jax.jit(lambda x, k, dy, conv=conv: jax.vjp(lambda x: conv(x, k), x)[1](dy)[0])
     dk = jax.jit(lambda x, k, dy, conv=conv: jax.vjp(lambda k: conv(x, k), k)[1](dy)[0])
