@@ -17,25 +17,14 @@ import pytest
 from capsjax import layers
 from capsjax import onednn
 from tests.conftest import REPO
+from tests.test_layers import _assert_equals_direct
+from tests.test_layers import _direct_conv
+from tests.test_layers import _output_and_grads
+from tests.test_layers import _random
 
 pytestmark = pytest.mark.skipif(
     not onednn.wheels_installed(),
     reason="oneDNN's wheels are not installed (pip install -e '.[onednn]')")
-
-
-def _random(seed, shape, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-
-def _direct(x, kernel):
-  return jax.lax.conv_general_dilated(
-      x, kernel, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-
-
-def _output_and_grads(conv, x, kernel, cotangent):
-  out, vjp = jax.vjp(conv, x, kernel)
-  return out, vjp(cotangent)
 
 
 def test_builds_and_loads_where_installed():
@@ -81,14 +70,10 @@ def test_default_cpu_conv_is_onednn_and_equals_direct(shape, kernel_shape):
   kernel = _random(1, kernel_shape, 0.1)
   hlo = jax.jit(layers.conv2d).lower(x, kernel).as_text()
   assert 'OnednnConvForward' in hlo
-  out_shape = jax.eval_shape(_direct, x, kernel).shape
-  cotangent = _random(2, out_shape)
-  run = jax.jit(_output_and_grads, static_argnums=0)
-  out, (gx, gk) = run(layers.conv2d, x, kernel, cotangent)
-  ref, (gx_ref, gk_ref) = run(_direct, x, kernel, cotangent)
-  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=2e-4)
+  cotangent = _random(2, jax.eval_shape(
+      lambda x, k: _direct_conv(x, k, 1), x, kernel).shape)
+  _assert_equals_direct(layers.conv2d, lambda x, k: _direct_conv(x, k, 1), x,
+                        kernel, cotangent)
 
 
 @pytest.mark.parametrize('case', ['narrow', 'same', 'strided', 'bfloat16',
@@ -103,9 +88,7 @@ def test_conv2d_keeps_other_lowerings_where_onednn_does_not_apply(case):
   conv = lambda x, k: layers.conv2d(x, k, stride, padding)
   assert 'Onednn' not in jax.jit(conv).lower(x, kernel).as_text()
   assert conv(x, kernel).shape == jax.eval_shape(
-      lambda x, k: jax.lax.conv_general_dilated(
-          x, k, (stride, stride), padding,
-          dimension_numbers=('NHWC', 'HWIO', 'NHWC')), x, kernel).shape
+      lambda x, k: _direct_conv(x, k, stride, padding), x, kernel).shape
   if case != 'narrow':
     with pytest.raises(ValueError, match="conv_impl='onednn' takes VALID"):
       layers.conv2d(x, kernel, stride, padding, impl='onednn')
@@ -129,12 +112,12 @@ def test_vmap_and_a_train_step_of_a_conv_layer():
   kernel = _random(1, (3, 3, 16, 4), 0.1)
   batched = jax.vmap(lambda x: layers.conv2d(x, kernel))(x)
   np.testing.assert_allclose(
-      batched, jax.vmap(lambda x: _direct(x, kernel))(x), rtol=1e-5,
+      batched, jax.vmap(lambda x: _direct_conv(x, kernel, 1))(x), rtol=1e-5,
       atol=1e-5)
   loss = lambda k: jnp.sum(jnp.tanh(layers.conv2d(x[0], k)))
   np.testing.assert_allclose(
       jax.grad(loss)(kernel),
-      jax.grad(lambda k: jnp.sum(jnp.tanh(_direct(x[0], k))))(kernel),
+      jax.grad(lambda k: jnp.sum(jnp.tanh(_direct_conv(x[0], k, 1))))(kernel),
       rtol=1e-5, atol=1e-5)
 
 

@@ -52,8 +52,22 @@ dnnl::convolution_forward::primitive_desc ForwardDesc(const Shapes& s) {
       DstDesc(s), {1, 1}, {0, 0}, {0, 0});
 }
 
-// Runs `prim` with `args`, plus a reorder of the user's HWIO weights into
-// the layout the primitive wants (tiny: Kh*Kw*C*F floats).
+dnnl::convolution_backward_data::primitive_desc InputGradDesc(
+    const Shapes& s) {
+  return dnnl::convolution_backward_data::primitive_desc(
+      Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
+      AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, ForwardDesc(s));
+}
+
+dnnl::convolution_backward_weights::primitive_desc KernelGradDesc(
+    const Shapes& s) {
+  return dnnl::convolution_backward_weights::primitive_desc(
+      Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
+      AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, ForwardDesc(s));
+}
+
+// The user's HWIO weights, reordered into the layout the primitive wants
+// where it differs (tiny: Kh*Kw*C*F floats).
 memory Weights(const memory::desc& wanted, const Shapes& s, float* data,
                dnnl::stream& stream) {
   memory user(UserWeightsDesc(s), Engine(), data);
@@ -94,10 +108,7 @@ ffi::Error InputGrad(ffi::Buffer<ffi::F32> dy, ffi::Buffer<ffi::F32> k,
   return Guarded([&] {
     Shapes s = ShapesOf(dx->dimensions(), k.dimensions());
     dnnl::stream stream(Engine());
-    auto hint = ForwardDesc(s);
-    auto pd = dnnl::convolution_backward_data::primitive_desc(
-        Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
-        AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, hint);
+    auto pd = InputGradDesc(s);
     memory diff_dst(DstDesc(s), Engine(), dy.typed_data());
     memory diff_src(SrcDesc(s), Engine(), dx->typed_data());
     memory wei = Weights(pd.weights_desc(), s, k.typed_data(), stream);
@@ -113,10 +124,7 @@ ffi::Error KernelGrad(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy,
   return Guarded([&] {
     Shapes s = ShapesOf(x.dimensions(), dk->dimensions());
     dnnl::stream stream(Engine());
-    auto hint = ForwardDesc(s);
-    auto pd = dnnl::convolution_backward_weights::primitive_desc(
-        Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
-        AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, hint);
+    auto pd = KernelGradDesc(s);
     memory src(SrcDesc(s), Engine(), x.typed_data());
     memory diff_dst(DstDesc(s), Engine(), dy.typed_data());
     memory user(UserWeightsDesc(s), Engine(), dk->typed_data());
@@ -138,15 +146,9 @@ extern "C" const char* ImplInfo(int64_t n, int64_t h, int64_t c, int64_t f) {
   static thread_local std::string info;
   try {
     Shapes s{n, h, h, c, 3, 3, f, h - 2, h - 2};
-    auto fwd = ForwardDesc(s);
-    auto bwd_d = dnnl::convolution_backward_data::primitive_desc(
-        Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
-        AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, fwd);
-    auto bwd_w = dnnl::convolution_backward_weights::primitive_desc(
-        Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
-        AnyWeightsDesc(s), DstDesc(s), {1, 1}, {0, 0}, {0, 0}, fwd);
-    info = "forward " + std::string(fwd.impl_info_str()) + "; input grad " +
-           bwd_d.impl_info_str() + "; kernel grad " + bwd_w.impl_info_str();
+    info = "forward " + std::string(ForwardDesc(s).impl_info_str()) +
+           "; input grad " + InputGradDesc(s).impl_info_str() +
+           "; kernel grad " + KernelGradDesc(s).impl_info_str();
   } catch (const dnnl::error& e) {
     info = std::string("oneDNN error: ") + e.what();
   }
