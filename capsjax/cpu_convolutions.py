@@ -15,7 +15,8 @@ through XLA_FLAGS (``-individual_convolution``, which keeps YNNPACK's
 other fusions). XLA reads XLA_FLAGS once, when JAX starts its backend, so
 ``import capsjax`` calls it then; afterwards ``ynn_convolutions`` asks the
 compiler what it actually does, and ``layers.conv2d`` picks its CPU
-lowering from the answer.
+lowering from the answer (``cpu_conv_impl``), or oneDNN's convolution
+where ``capsjax.onednn`` is installed: faster than any of XLA's.
 """
 
 from __future__ import annotations
@@ -140,8 +141,17 @@ STRIDE1_TAPS_ABOVE_INPUT_RATIO = 1.4
 TAPS_MIN_CHANNELS = 64
 
 
+# oneDNN's convolutions (capsjax.onednn, where installed) beat XLA's
+# lowerings on every convolution of the shipped models, forward and both
+# gradients at batch 64 and 128 (BENCHMARKS.md, session 16): 0.17-0.58 of
+# XLA's time on the images' narrow first layers, 0.32-0.50 on the smoke
+# CapsNet's PrimaryCaps, 0.81-0.83 on the baseline CNN's 5x5 SAME layers,
+# and Su's 3x3 layers trained 1.19-1.23x as fast as PyTorch with them
+# against 0.93-1.00 (session 15). The exception is a strided convolution
+# whose XLA choice is taps, the paper CapsNet's PrimaryCaps: 1.11-1.26 of
+# the taps' time; with oneDNN's input gradient alone, 0.96.
 def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
-                  out_positions: int) -> str:
+                  out_positions: int, onednn: bool = False) -> str:
   """conv2d's lowering on the CPU backend.
 
   Args:
@@ -149,15 +159,29 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     stride: its stride.
     in_positions: H * W of its (padded) input.
     out_positions: H' * W' of its output.
+    onednn: whether ``capsjax.onednn`` is available and computes this
+      convolution (float32, a non-empty batch).
   Returns:
-    'patches' where XLA:CPU's convolutions are YNNPACK's (their backward
-    passes are slow); 'narrow' where the regrouped input is narrow; where
-    the input gradient as a convolution would cover many more positions
-    than the output, 'taps' (64 input channels and more; at stride 1 from
-    1.4 times the output's positions, strided from 2 times) or 'patches';
-    else 'space_to_depth' (a direct convolution after the regrouping; for
-    stride 1 the direct convolution itself).
+    With oneDNN: 'onednn', except 'onednn_input_grad' where XLA's choice
+    would be strided taps (XLA's forward and kernel gradient are the faster
+    there: the comment above). Without: 'patches' where XLA:CPU's
+    convolutions are YNNPACK's (their backward passes are slow); 'narrow'
+    where the regrouped input is narrow; where the input gradient as a
+    convolution would cover many more positions than the output, 'taps'
+    (64 input channels and more; at stride 1 from 1.4 times the output's
+    positions, strided from 2 times) or 'patches'; else 'space_to_depth'
+    (a direct convolution after the regrouping; for stride 1 the direct
+    convolution itself).
   """
+  xla = _xla_conv_impl(in_channels, stride, in_positions, out_positions)
+  if not onednn:
+    return xla
+  return 'onednn_input_grad' if xla == 'taps' and stride > 1 else 'onednn'
+
+
+def _xla_conv_impl(in_channels: int, stride: int, in_positions: int,
+                   out_positions: int) -> str:
+  """cpu_conv_impl's choice among XLA's lowerings."""
   if ynn_convolutions() or _jaxlib_version() < _MIN_JAXLIB:
     return 'patches'
   if stride * stride * in_channels < NARROW_BELOW_CHANNELS:

@@ -52,7 +52,7 @@ OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_BIAS_INIT = 0.1
 
 CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
-              'onednn')
+              'onednn', 'onednn_input_grad')
 
 
 # Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
@@ -462,20 +462,51 @@ def _taps_conv_backward(stride, residuals, cotangent):
 taps_conv.defvjp(_taps_conv_forward, _taps_conv_backward)
 
 
-# oneDNN's convolutions (capsjax.onednn, where installed) take the CPU's
-# VALID stride-1 float32 convolutions from this many input channels: Su's
-# 3x3 layers (64 and 128) trained 1.19-1.23x as fast as PyTorch with them
-# against 0.93-1.00 with XLA's (BENCHMARKS.md, session 15). Narrower inputs
-# (the images) keep their measured lowerings.
-ONEDNN_MIN_CHANNELS = 16
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def onednn_input_grad_conv(x: ArrayLike, kernel: ArrayLike, stride: int,
+                           padding: str = 'VALID') -> jax.Array:
+  """XLA's convolution and kernel gradient, oneDNN's input gradient.
+
+  For the paper's PrimaryCaps (9x9, stride 2, 256 channels) on this CPU,
+  XLA's strided forward and kernel gradient beat oneDNN's (268 and 274
+  against 295 and 359 ms at batch 128), and oneDNN's input gradient beats
+  the taps (323 against 403 ms); together they take 858 ms against 898 as
+  taps, 1024 as oneDNN and 914 in PyTorch (BENCHMARKS.md, session 16).
+  Needs ``capsjax.onednn``.
+
+  Args:
+    x: [B, H, W, C] float32.
+    kernel: [Kh, Kw, C, F] float32.
+    stride: the same along both axes.
+    padding: 'VALID' or 'SAME'.
+  Returns:
+    [B, H', W', F].
+  """
+  return _lax_conv(x, kernel, stride, padding)
 
 
-def _onednn_fits(x: jax.Array, kernel: jax.Array, stride: int,
-                 padding: str) -> bool:
+def _onednn_input_grad_conv_forward(x, kernel, stride, padding):
+  return onednn_input_grad_conv(x, kernel, stride, padding), (x, kernel)
+
+
+def _onednn_input_grad_conv_backward(stride, padding, residuals, cotangent):
+  x, kernel = residuals
+  pads = (_conv_padding(x.shape[1], kernel.shape[0], stride, padding),
+          _conv_padding(x.shape[2], kernel.shape[1], stride, padding))
+  return (onednn.input_gradient(cotangent, kernel, x.shape, stride, pads),
+          _kernel_gradient(x, kernel, cotangent, stride, padding, cotangent))
+
+
+onednn_input_grad_conv.defvjp(_onednn_input_grad_conv_forward,
+                              _onednn_input_grad_conv_backward)
+
+
+def _onednn_fits(x: jax.Array, kernel: jax.Array, pad_h: tuple[int, int],
+                 pad_w: tuple[int, int]) -> bool:
   """Whether oneDNN's convolution (``capsjax.onednn``) computes this one."""
-  return (stride == 1 and padding == 'VALID' and x.shape[0] > 0 and
-          x.dtype == kernel.dtype == jnp.float32 and
-          x.shape[1] >= kernel.shape[0] and x.shape[2] >= kernel.shape[1])
+  return (x.shape[0] > 0 and x.dtype == kernel.dtype == jnp.float32 and
+          x.shape[1] + sum(pad_h) >= kernel.shape[0] and
+          x.shape[2] + sum(pad_w) >= kernel.shape[1])
 
 
 def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
@@ -495,17 +526,14 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       'taps' (XLA's strided convolution, its input gradient computed tap by
       tap: ``taps_conv``),
       'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution),
-      'direct' (``lax.conv_general_dilated`` with the stride) or 'onednn'
-      (oneDNN's, VALID stride-1 float32 only: ``capsjax.onednn``). None
-      picks 'onednn' on the CPU backend where it is installed and fits and
-      the input has ``ONEDNN_MIN_CHANNELS`` channels or more; else
-      ``cpu_convolutions.cpu_conv_impl`` on the CPU backend (space_to_depth;
-      taps where the input gradient would span many more positions than
-      the output; narrow for narrow inputs; patches where XLA:CPU's
-      convolutions are YNNPACK's, whose backward pass is slow: BENCHMARKS.md)
-      and direct elsewhere: on GPU the zero taps of the regrouped kernel
-      would add 23% MACs to the 9x9 stride-2 PrimaryCaps conv and cuDNN's
-      kernels have no such backward problem.
+      'direct' (``lax.conv_general_dilated`` with the stride), 'onednn'
+      (oneDNN's, float32 only: ``capsjax.onednn``) or 'onednn_input_grad'
+      (XLA's with oneDNN's input gradient: ``onednn_input_grad_conv``).
+      None picks ``cpu_convolutions.cpu_conv_impl``'s choice on the CPU
+      backend (oneDNN's where it is installed, else XLA's lowerings: see
+      there) and direct elsewhere: on GPU the zero taps of the regrouped
+      kernel would add 23% MACs to the 9x9 stride-2 PrimaryCaps conv and
+      cuDNN's kernels have no such backward problem.
   Returns:
     [B, H', W', F].
   """
@@ -519,34 +547,33 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
   pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
   on_cpu = jax.default_backend() == 'cpu'
-  if (impl is None and on_cpu and x.shape[-1] >= ONEDNN_MIN_CHANNELS and
-      _onednn_fits(x, kernel, stride, padding) and onednn.available()):
-    impl = 'onednn'
-  elif impl is None and on_cpu:
+  if impl is None and on_cpu:
     height, width = x.shape[1] + sum(pad_h), x.shape[2] + sum(pad_w)
     out_h = votes_lib.output_size(height, kernel.shape[0], stride)
     out_w = votes_lib.output_size(width, kernel.shape[1], stride)
-    impl = cpu_convolutions.cpu_conv_impl(x.shape[-1], stride, height * width,
-                                          out_h * out_w)
+    impl = cpu_convolutions.cpu_conv_impl(
+        x.shape[-1], stride, height * width, out_h * out_w,
+        onednn=_onednn_fits(x, kernel, pad_h, pad_w) and onednn.available())
   elif impl is None:
     impl = 'direct'
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
   if impl == 'direct':
     return _lax_conv(x, kernel, stride, padding)
-  if impl == 'onednn':
-    if not _onednn_fits(x, kernel, stride, padding):
+  if impl in ('onednn', 'onednn_input_grad'):
+    if not _onednn_fits(x, kernel, pad_h, pad_w):
       raise ValueError(
-          "conv_impl='onednn' takes VALID stride-1 float32 convolutions of a "
-          f'non-empty batch that the kernel fits; got stride {stride}, '
-          f'padding {padding!r}, {x.dtype} input {x.shape}, kernel '
-          f'{kernel.shape}. Leave conv_impl unset.')
+          f"conv_impl={impl!r} takes float32 convolutions of a non-empty "
+          f'batch that the kernel fits; got a {x.dtype} input {x.shape}, '
+          f'kernel {kernel.shape}. Leave conv_impl unset.')
     if not on_cpu:
-      raise ValueError("conv_impl='onednn' runs on the CPU backend only; "
+      raise ValueError(f'conv_impl={impl!r} runs on the CPU backend only; '
                        f'this one is {jax.default_backend()!r}.')
     if not onednn.available():
-      raise ValueError(f"conv_impl='onednn': oneDNN is {onednn.status()}.")
-    return onednn.conv(x, kernel)
+      raise ValueError(f'conv_impl={impl!r}: oneDNN is {onednn.status()}.')
+    if impl == 'onednn_input_grad':
+      return onednn_input_grad_conv(x, kernel, stride, padding)
+    return onednn.conv(x, kernel, stride, (pad_h, pad_w))
   if impl == 'space_to_depth' and stride == 1:
     return eigen_conv(x, kernel, 1, padding)
   if padding == 'SAME':

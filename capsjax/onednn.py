@@ -7,10 +7,11 @@ library (BENCHMARKS.md, session 15). With oneDNN's wheels installed
 first use compiles ``csrc/onednn_conv.cc`` against jaxlib's FFI headers
 (about 3 s, once per source and jaxlib version) into the user's cache
 (``$CAPSJAX_CACHE_DIR``, else ``~/.cache/capsjax``) and registers its three
-handlers; ``layers.conv2d`` then runs VALID stride-1 float32 convolutions
-of 16 input channels and more through it on the CPU. Without the wheels or
-a compiler, or with ``CAPSJAX_ONEDNN=0``, nothing changes: ``status()``
-says why.
+handlers: the forward convolution (any stride, explicit zero padding) and
+its two gradients. ``layers.conv2d`` then runs the CPU's float32
+convolutions through them (``cpu_convolutions.cpu_conv_impl``). Without the
+wheels or a compiler, or with ``CAPSJAX_ONEDNN=0``, nothing changes:
+``status()`` says why.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 RUNTIME_WHEEL = 'onednn-cpu-gomp'
 HEADERS_WHEEL = 'onednn-devel-cpu-gomp'
@@ -108,7 +110,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
   except (OSError, RuntimeError, AttributeError) as error:
     return None, f'not available: {error}'
   lib.ImplInfo.restype = ctypes.c_char_p
-  return lib, 'in use (VALID stride-1 float32 convolutions of 16+ channels)'
+  return lib, 'in use (float32 convolutions on the CPU)'
 
 
 def available() -> bool:
@@ -121,47 +123,89 @@ def status() -> str:
   return _load()[1]
 
 
-def kernels(batch: int, size: int, in_channels: int, out_channels: int
-            ) -> str:
-  """The oneDNN kernels for a 3x3 convolution of [batch, size, size,
-  in_channels] (forward and both gradients), in words."""
+Padding = tuple[tuple[int, int], tuple[int, int]]
+VALID: Padding = ((0, 0), (0, 0))
+
+
+def output_shape(x_shape, kernel_shape, stride: int = 1,
+                 padding: Padding = VALID) -> tuple[int, int, int, int]:
+  """[B, H', W', F] of the convolution of x: [B, H, W, C] by kernel:
+  [Kh, Kw, C, F] with the stride and ((top, bottom), (left, right)) zero
+  padding."""
+  (top, bottom), (left, right) = padding
+  b, h, w, _ = x_shape
+  k_h, k_w, _, f = kernel_shape
+  return (b, (h + top + bottom - k_h) // stride + 1,
+          (w + left + right - k_w) // stride + 1, f)
+
+
+def _geometry(stride: int, padding: Padding) -> dict[str, np.int64]:
+  """The FFI attributes of onednn_conv.cc's Geometry."""
+  (top, bottom), (left, right) = padding
+  return {name: np.int64(value) for name, value in (
+      ('stride', stride), ('pad_top', top), ('pad_bottom', bottom),
+      ('pad_left', left), ('pad_right', right))}
+
+
+def kernels(x_shape, kernel_shape, stride: int = 1,
+            padding: Padding = VALID) -> str:
+  """The oneDNN kernels of a convolution (forward and both gradients; sizes
+  as in ``conv``), in words."""
   lib, why = _load()
   if lib is None:
     raise RuntimeError(f'oneDNN convolutions: {why}')
-  return lib.ImplInfo(batch, size, in_channels, out_channels).decode()
+  _, out_h, out_w, _ = output_shape(x_shape, kernel_shape, stride, padding)
+  geometry = _geometry(stride, padding)
+  sizes = (*x_shape, *kernel_shape[:2], kernel_shape[3], out_h, out_w,
+           *geometry.values())
+  return lib.ImplInfo(*(ctypes.c_int64(int(v)) for v in sizes)).decode()
 
 
-def _call(target: str, shape, *operands) -> jax.Array:
+def _call(target: str, shape, stride: int, padding: Padding, *operands
+          ) -> jax.Array:
+  if not available():
+    raise RuntimeError(f'oneDNN convolutions: {status()}')
   out = jax.ShapeDtypeStruct(shape, jnp.float32)
-  return jax.ffi.ffi_call(target, out, vmap_method='sequential')(*operands)
+  return jax.ffi.ffi_call(target, out, vmap_method='sequential')(
+      *operands, **_geometry(stride, padding))
 
 
-@jax.custom_vjp
-def conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """VALID stride-1 convolution by oneDNN.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv(x: jax.Array, kernel: jax.Array, stride: int = 1,
+         padding: Padding = VALID) -> jax.Array:
+  """Convolution by oneDNN.
 
   Args:
     x: [B, H, W, C] float32, B >= 1.
-    kernel: [Kh, Kw, C, F] float32, Kh <= H, Kw <= W.
+    kernel: [Kh, Kw, C, F] float32, the padded input at least its size.
+    stride: the same along both axes.
+    padding: ((top, bottom), (left, right)) zeros around the input.
   Returns:
-    [B, H - Kh + 1, W - Kw + 1, F].
+    [B, H', W', F], H' = (H + top + bottom - Kh) // stride + 1.
   """
-  if not available():
-    raise RuntimeError(f'oneDNN convolutions: {status()}')
-  b, h, w, _ = x.shape
-  k_h, k_w, _, f = kernel.shape
-  return _call('OnednnConvForward', (b, h - k_h + 1, w - k_w + 1, f), x,
-               kernel)
+  return _call('OnednnConvForward',
+               output_shape(x.shape, kernel.shape, stride, padding), stride,
+               padding, x, kernel)
 
 
-def _conv_forward(x, kernel):
-  return conv(x, kernel), (x, kernel)
+def _conv_forward(x, kernel, stride, padding):
+  return conv(x, kernel, stride, padding), (x, kernel)
 
 
-def _conv_backward(residuals, cotangent):
+def input_gradient(cotangent: jax.Array, kernel: jax.Array, x_shape,
+                   stride: int = 1, padding: Padding = VALID) -> jax.Array:
+  """The gradient of ``conv(x, kernel, stride, padding)`` with respect to
+  x: [B, H, W, C] (``x_shape``) for the cotangent [B, H', W', F], by oneDNN.
+  """
+  return _call('OnednnConvInputGrad', tuple(x_shape), stride, padding,
+               cotangent, kernel)
+
+
+def _conv_backward(stride, padding, residuals, cotangent):
   x, kernel = residuals
-  return (_call('OnednnConvInputGrad', x.shape, cotangent, kernel),
-          _call('OnednnConvKernelGrad', kernel.shape, x, cotangent))
+  return (input_gradient(cotangent, kernel, x.shape, stride, padding),
+          _call('OnednnConvKernelGrad', kernel.shape, stride, padding, x,
+                cotangent))
 
 
 conv.defvjp(_conv_forward, _conv_backward)

@@ -42,6 +42,11 @@ print(json.dumps({
     'primary_narrow': c.cpu_conv_impl(8, 2, 20 * 20, 6 * 6),
     'strided': c.cpu_conv_impl(3, 3, 12 * 12, 4 * 4),
     'strided_narrow': c.cpu_conv_impl(3, 2, 12 * 12, 5 * 5),
+    # Where oneDNN computes the convolution (capsjax.onednn).
+    'onednn': [c.cpu_conv_impl(*args, onednn=True) for args in (
+        (64, 1, 26 * 26, 24 * 24), (64, 1, 12 * 12, 10 * 10),
+        (1, 1, 28 * 28, 20 * 20), (256, 1, 32 * 32, 28 * 28),
+        (32, 2, 20 * 20, 6 * 6), (256, 2, 20 * 20, 6 * 6))],
     'devices': __import__('jax').device_count()}))
 '''
 
@@ -82,6 +87,9 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   assert result['primary'] == 'taps'
   # 8 channels: 81 tiny products; their fixed costs make patches faster.
   assert result['primary_narrow'] == 'patches'
+  # With oneDNN: its convolution, except PrimaryCaps' (strided taps above),
+  # which keeps XLA's forward and kernel gradient.
+  assert result['onednn'] == ['onednn'] * 5 + ['onednn_input_grad']
 
 
 @needs_the_flag
@@ -94,6 +102,7 @@ def test_opting_out_keeps_xla_flags_and_the_patches_path():
   assert result['ynn'] is True
   assert {result[k] for k in ('wide', 'narrow', 'strided', 'primary')
           } == {'patches'}
+  assert result['onednn'] == ['onednn'] * 6
 
 
 @needs_the_flag
@@ -114,8 +123,15 @@ def test_a_users_own_ynn_setting_is_respected():
     (20, 16, 9, 2),  # PrimaryCaps' shape, 16 channels: patches
     (14, 64, 9, 2),  # PrimaryCaps' shape, 64 channels: taps
 ])
+@pytest.mark.parametrize('use_onednn', [False, True])
 def test_conv2d_default_equals_direct_in_values_and_gradients(
-    height, channels, kernel_size, stride):
+    height, channels, kernel_size, stride, use_onednn, monkeypatch):
+  # Both defaults: XLA's lowerings (the comments above) and, where it is
+  # installed, oneDNN's.
+  if use_onednn and not layers.onednn.available():
+    pytest.skip(f'oneDNN is {layers.onednn.status()}')
+  if not use_onednn:
+    monkeypatch.setattr(layers.onednn, 'available', lambda: False)
   rng = np.random.default_rng(0)
   x = rng.standard_normal((2, height, height + 1, channels)).astype(np.float32)
   kernel = (0.1 * rng.standard_normal(

@@ -1,7 +1,8 @@
 """oneDNN's convolutions through XLA FFI (capsjax.onednn, the `onednn` extra).
 
-Skipped only where the extra's wheels are not installed; installed, the
-handlers must build and load (the README's test command installs them).
+Skipped only where the extra's wheels are not installed or the user turned
+the path off (CAPSJAX_ONEDNN=0); otherwise the handlers must build and load
+(the README's test command installs them).
 """
 
 import json
@@ -23,75 +24,134 @@ from tests.test_layers import _output_and_grads
 from tests.test_layers import _random
 
 pytestmark = pytest.mark.skipif(
-    not onednn.wheels_installed(),
-    reason="oneDNN's wheels are not installed (pip install -e '.[onednn]')")
+    not onednn.wheels_installed() or os.environ.get('CAPSJAX_ONEDNN') == '0',
+    reason="oneDNN's wheels are not installed (pip install -e '.[onednn]') "
+    'or CAPSJAX_ONEDNN=0')
 
 
 def test_builds_and_loads_where_installed():
   assert onednn.available(), onednn.status()
   assert onednn.status().startswith('in use')
-  # oneDNN's optimised kernels, not its reference ones.
-  assert 'ref' not in onednn.kernels(2, 12, 64, 64)
+  # oneDNN's optimised kernels, not its reference ones, for Su's 3x3
+  # layer, the smoke CapsNet's strided PrimaryCaps and a SAME 5x5 layer.
+  for x_shape, kernel_shape, stride, padding in [
+      ((2, 12, 12, 64), (3, 3, 64, 64), 1, onednn.VALID),
+      ((2, 20, 20, 32), (9, 9, 32, 64), 2, onednn.VALID),
+      ((2, 28, 28, 256), (5, 5, 256, 128), 1, ((2, 2), (2, 2)))]:
+    assert 'ref' not in onednn.kernels(x_shape, kernel_shape, stride, padding)
 
 
-def test_values_and_both_gradients_are_the_convolution_sums():
+def _reference(x, kernel, cotangent, stride, padding):
+  """The convolution and its gradients in float64 NumPy, from the
+  definition: with x zero-padded to xp,
+  y[b, i, j, f] = sum_{u, v, c} xp[b, s i + u, s j + v, c] k[u, v, c, f];
+  dxp[b, s i + u, s j + v, c] += dy[b, i, j, f] k[u, v, c, f], cropped;
+  dk[u, v, c, f] = sum_{b, i, j} xp[b, s i + u, s j + v, c] dy[b, i, j, f]."""
+  (top, bottom), (left, right) = padding
+  xp = np.pad(np.asarray(x, np.float64),
+              ((0, 0), (top, bottom), (left, right), (0, 0)))
+  k64, dy64 = np.asarray(kernel, np.float64), np.asarray(cotangent, np.float64)
+  _, out_h, out_w, _ = dy64.shape
+  out, gxp, gk = np.zeros(dy64.shape), np.zeros(xp.shape), np.zeros(k64.shape)
+  for u in range(kernel.shape[0]):
+    for v in range(kernel.shape[1]):
+      rows = slice(u, u + stride * (out_h - 1) + 1, stride)
+      cols = slice(v, v + stride * (out_w - 1) + 1, stride)
+      window = xp[:, rows, cols]
+      out += np.einsum('bijc,cf->bijf', window, k64[u, v])
+      gxp[:, rows, cols] += np.einsum('bijf,cf->bijc', dy64, k64[u, v])
+      gk[u, v] = np.einsum('bijc,bijf->cf', window, dy64)
+  gx = gxp[:, top:xp.shape[1] - bottom, left:xp.shape[2] - right]
+  return out, gx, gk
+
+
+@pytest.mark.parametrize('stride,padding', [
+    (1, ((0, 0), (0, 0))),
+    (1, ((1, 1), (2, 0))),  # asymmetric: a swapped pair shows
+    (2, ((0, 0), (0, 0))),  # the last row and column are read by no window
+    (2, ((1, 2), (0, 1))),
+    (3, ((2, 0), (1, 1))),
+])
+def test_values_and_both_gradients_are_the_convolution_sums(stride, padding):
   """Against the definition in float64 NumPy, with a non-square kernel and
-  odd sizes so that a wrong layout, window order or flip shows:
-  y[b, i, j, f] = sum_{u, v, c} x[b, i + u, j + v, c] k[u, v, c, f];
-  dx[b, i + u, j + v, c] += dy[b, i, j, f] k[u, v, c, f];
-  dk[u, v, c, f] = sum_{b, i, j} x[b, i + u, j + v, c] dy[b, i, j, f]."""
+  odd sizes so that a wrong layout, window order, flip, stride or padding
+  shows."""
   x = _random(0, (3, 7, 9, 5))
   kernel = _random(1, (3, 2, 5, 4), 0.3)
-  cotangent = _random(2, (3, 5, 8, 4))
+  out_shape = onednn.output_shape(x.shape, kernel.shape, stride, padding)
+  cotangent = _random(2, out_shape)
   out, (gx, gk) = jax.jit(_output_and_grads, static_argnums=0)(
-      onednn.conv, x, kernel, cotangent)
-  x64, k64, dy64 = (np.asarray(a, np.float64) for a in (x, kernel, cotangent))
-  ref, gx_ref, gk_ref = np.zeros((3, 5, 8, 4)), np.zeros(x.shape), np.zeros(
-      kernel.shape)
-  for u in range(3):
-    for v in range(2):
-      window = x64[:, u:u + 5, v:v + 8]
-      ref += np.einsum('bijc,cf->bijf', window, k64[u, v])
-      gx_ref[:, u:u + 5, v:v + 8] += np.einsum('bijf,cf->bijc', dy64, k64[u, v])
-      gk_ref[u, v] = np.einsum('bijc,bijf->cf', window, dy64)
+      lambda x, k: onednn.conv(x, k, stride, padding), x, kernel, cotangent)
+  ref, gx_ref, gk_ref = _reference(x, kernel, cotangent, stride, padding)
+  assert out.shape == ref.shape == out_shape
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize('shape,kernel_shape', [
-    ((2, 26, 26, 64), (3, 3, 64, 64)),  # Su's second layer
-    ((2, 12, 12, 64), (3, 3, 64, 128)),  # Su's third
-    ((1, 10, 10, 128), (3, 3, 128, 128)),  # Su's fourth, one image
-    ((2, 4, 5, 16), (4, 5, 16, 3)),  # the kernel covers the input: 1x1 out
+def test_shapes_that_differ_only_in_padding_are_not_confused():
+  """The handlers keep their oneDNN primitives per shape and geometry: two
+  convolutions of the same input, kernel and output sizes whose padding
+  differs, called alternately in one program, must each give their own
+  values."""
+  x = _random(0, (2, 6, 6, 16))
+  kernel = _random(1, (3, 3, 16, 4), 0.2)
+  cotangent = _random(2, (2, 6, 6, 4))
+  paddings = [((2, 0), (0, 2)), ((1, 1), (1, 1)), ((0, 2), (2, 0))]
+
+  def all_three(x, kernel):
+    return [_output_and_grads(lambda x, k, p=p: onednn.conv(x, k, 1, p), x,
+                              kernel, cotangent) for p in paddings]
+
+  for _ in range(2):  # the second time from the cache
+    for padding, (out, (gx, gk)) in zip(
+        paddings, jax.jit(all_three)(x, kernel), strict=True):
+      ref, gx_ref, gk_ref = _reference(x, kernel, cotangent, 1, padding)
+      np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('shape,kernel_shape,stride,padding,targets', [
+    # Su's second, third and fourth layers; one image
+    ((2, 26, 26, 64), (3, 3, 64, 64), 1, 'VALID', 3),
+    ((2, 12, 12, 64), (3, 3, 64, 128), 1, 'VALID', 3),
+    ((1, 10, 10, 128), (3, 3, 128, 128), 1, 'VALID', 3),
+    ((2, 4, 5, 16), (4, 5, 16, 3), 1, 'VALID', 3),  # 1x1 out
+    ((2, 28, 28, 1), (9, 9, 1, 8), 1, 'VALID', 3),  # an image: narrow
+    ((2, 14, 14, 16), (5, 5, 16, 8), 1, 'SAME', 3),  # the baseline CNN's
+    ((2, 20, 20, 32), (9, 9, 32, 16), 2, 'VALID', 3),  # smoke PrimaryCaps
+    # the paper's PrimaryCaps (fewer features): oneDNN's input gradient only
+    ((2, 20, 20, 64), (9, 9, 64, 16), 2, 'VALID', 1),
 ])
-def test_default_cpu_conv_is_onednn_and_equals_direct(shape, kernel_shape):
+def test_default_cpu_conv_is_onednn_and_equals_direct(
+    shape, kernel_shape, stride, padding, targets):
   x = _random(0, shape)
   kernel = _random(1, kernel_shape, 0.1)
-  hlo = jax.jit(layers.conv2d).lower(x, kernel).as_text()
-  assert 'OnednnConvForward' in hlo
-  cotangent = _random(2, jax.eval_shape(
-      lambda x, k: _direct_conv(x, k, 1), x, kernel).shape)
-  _assert_equals_direct(layers.conv2d, lambda x, k: _direct_conv(x, k, 1), x,
-                        kernel, cotangent)
-
-
-@pytest.mark.parametrize('case', ['narrow', 'same', 'strided', 'bfloat16',
-                                  'empty'])
-def test_conv2d_keeps_other_lowerings_where_onednn_does_not_apply(case):
-  x = jnp.zeros((0 if case == 'empty' else 2, 8, 8,
-                 1 if case == 'narrow' else 16),
-                jnp.bfloat16 if case == 'bfloat16' else jnp.float32)
-  kernel = jnp.zeros((3, 3, x.shape[-1], 4), x.dtype)
-  stride = 2 if case == 'strided' else 1
-  padding = 'SAME' if case == 'same' else 'VALID'
   conv = lambda x, k: layers.conv2d(x, k, stride, padding)
-  assert 'Onednn' not in jax.jit(conv).lower(x, kernel).as_text()
-  assert conv(x, kernel).shape == jax.eval_shape(
-      lambda x, k: _direct_conv(x, k, stride, padding), x, kernel).shape
-  if case != 'narrow':
-    with pytest.raises(ValueError, match="conv_impl='onednn' takes VALID"):
-      layers.conv2d(x, kernel, stride, padding, impl='onednn')
+  direct = lambda x, k: _direct_conv(x, k, stride, padding)
+  cotangent = _random(2, jax.eval_shape(direct, x, kernel).shape)
+  hlo = jax.jit(_output_and_grads, static_argnums=0).lower(
+      conv, x, kernel, cotangent).as_text()
+  called = {name for name in ('OnednnConvForward', 'OnednnConvInputGrad',
+                              'OnednnConvKernelGrad') if name in hlo}
+  assert called == ({'OnednnConvInputGrad'} if targets == 1 else
+                    {'OnednnConvForward', 'OnednnConvInputGrad',
+                     'OnednnConvKernelGrad'})
+  _assert_equals_direct(conv, direct, x, kernel, cotangent)
+
+
+@pytest.mark.parametrize('case', ['bfloat16', 'empty'])
+@pytest.mark.parametrize('impl', ['onednn', 'onednn_input_grad'])
+def test_conv2d_keeps_other_lowerings_where_onednn_does_not_apply(case, impl):
+  x = jnp.zeros((0 if case == 'empty' else 2, 8, 8, 16),
+                jnp.bfloat16 if case == 'bfloat16' else jnp.float32)
+  kernel = jnp.zeros((3, 3, 16, 4), x.dtype)
+  assert 'Onednn' not in jax.jit(layers.conv2d).lower(x, kernel).as_text()
+  assert layers.conv2d(x, kernel).shape == jax.eval_shape(
+      lambda x, k: _direct_conv(x, k, 1), x, kernel).shape
+  with pytest.raises(ValueError, match=f"conv_impl='{impl}' takes float32"):
+    layers.conv2d(x, kernel, impl=impl)
 
 
 def test_degenerate_inputs_give_finite_values_and_gradients():

@@ -47,3 +47,20 @@ def time_alternately(compiled, images, labels, key, rounds, steps, title):
     for n, ts in times.items():
         print(f'{title} {n}: median step {np.median(ts) * 1e3:.1f} ms, '
               f'{images.shape[0] / np.median(ts):.1f} img/s')
+
+
+def time_calls_alternately(calls, rounds, reps=3):
+    """calls: {name: callable that blocks until done}; runs each twice to
+    warm up, then `rounds` times each in turn, `reps` calls a time; returns
+    {name: median seconds per call}. Added in session 16 for the per-layer
+    scripts (earlier ones, e.g. session15/passes.py, have their own copy)."""
+    times = {n: [] for n in calls}
+    for fn in calls.values():
+        fn(); fn()
+    for _ in range(rounds):
+        for n, fn in calls.items():
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[n].append((time.perf_counter() - t) / reps)
+    return {n: float(np.median(ts)) for n, ts in times.items()}

@@ -40,9 +40,8 @@ for h, w, c, f in ((26, 26, 64, 64), (12, 12, 64, 128), (10, 10, 128, 128)):
       times[n].append((time.perf_counter() - t) / 3)
   # From 53e651d the default is oneDNN's where the onednn extra is
   # installed; CAPSJAX_ONEDNN=0 gives XLA's, as recorded in passes_b128.log.
-  impl = ('onednn' if c >= layers.ONEDNN_MIN_CHANNELS and
-          layers.onednn.available() else
-          layers.cpu_convolutions.cpu_conv_impl(c, 1, h * w, (h - 2) * (w - 2)))
+  impl = layers.cpu_convolutions.cpu_conv_impl(
+      c, 1, h * w, (h - 2) * (w - 2), onednn=layers.onednn.available())
   print(f'{h}x{w}x{c}->{f} ({impl}), b{B}: ' + ', '.join(
       f'{n} {np.median(ts) * 1e3:.1f}' for n, ts in times.items()) + ' ms',
       flush=True)
