@@ -142,14 +142,15 @@ TAPS_MIN_CHANNELS = 64
 
 
 # oneDNN's convolutions (capsjax.onednn, where installed) beat XLA's
-# lowerings on every convolution of the shipped models, forward and both
-# gradients at batch 64 and 128 (BENCHMARKS.md, session 16): 0.17-0.58 of
-# XLA's time on the images' narrow first layers, 0.32-0.50 on the smoke
-# CapsNet's PrimaryCaps, 0.81-0.83 on the baseline CNN's 5x5 SAME layers,
-# and Su's 3x3 layers trained 1.19-1.23x as fast as PyTorch with them
-# against 0.93-1.00 (session 15). The exception is a strided convolution
-# whose XLA choice is taps, the paper CapsNet's PrimaryCaps: 1.11-1.26 of
-# the taps' time; with oneDNN's input gradient alone, 0.96.
+# lowerings on the convolutions of the shipped models, forward and both
+# gradients at batch 64 and 128 (BENCHMARKS.md, session 16): 0.17-0.74 of
+# XLA's time on the images' narrow first layers, 0.40-0.41 on the smoke
+# CapsNet's PrimaryCaps, 0.80-0.83 on the baseline CNN's 5x5 SAME layers;
+# Su's 3x3 layers trained 1.19-1.23x as fast as PyTorch with them against
+# 0.93-1.00 (session 15). The exception is a strided convolution whose XLA
+# choice is taps, the paper CapsNet's PrimaryCaps: 1.01-1.10 of the taps'
+# time. XLA's forward and kernel gradient with oneDNN's input gradient
+# took 0.96 of it at batch 128 and 1.03 at 64.
 def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
                   out_positions: int, onednn: bool = False) -> str:
   """conv2d's lowering on the CPU backend.

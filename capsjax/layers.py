@@ -471,8 +471,9 @@ def onednn_input_grad_conv(x: ArrayLike, kernel: ArrayLike, stride: int,
   XLA's strided forward and kernel gradient beat oneDNN's (268 and 274
   against 295 and 359 ms at batch 128), and oneDNN's input gradient beats
   the taps (323 against 403 ms); together they take 858 ms against 898 as
-  taps, 1024 as oneDNN and 914 in PyTorch (BENCHMARKS.md, session 16).
-  Needs ``capsjax.onednn``.
+  taps, 1024 as oneDNN and 914 in PyTorch (at batch 64 429 against 418,
+  489 and 445: a wash; BENCHMARKS.md, session 16). Needs
+  ``capsjax.onednn``.
 
   Args:
     x: [B, H, W, C] float32.

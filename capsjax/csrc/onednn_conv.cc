@@ -131,11 +131,11 @@ memory Weights(const memory::desc& wanted, const Shapes& s, float* data,
   return out;
 }
 
-// One convolution at a time: each already runs on all cores (oneDNN's
-// OpenMP threads), and XLA runs independent calls, such as a layer's two
-// gradients, on two of its threads at once, which then contend for the
-// cores (the baseline CNN's last layer: 894 ms for both gradients side by
-// side against 720 one after the other; BENCHMARKS.md, session 16).
+// One convolution at a time, so that the primitive cache needs no lock of
+// its own: each call already runs on all cores (oneDNN's OpenMP threads),
+// and where XLA starts two side by side, such as a layer's two gradients,
+// the pair took as long either way (the baseline CNN's last layer, 838 ms
+// overlapped against 846 ms one after the other; BENCHMARKS.md, session 16).
 std::mutex& OneAtATime() {
   static std::mutex mutex;
   return mutex;

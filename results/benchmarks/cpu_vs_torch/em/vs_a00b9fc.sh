@@ -5,7 +5,7 @@
 #   A00=/path/to/checkout/of/a00b9fc bash results/benchmarks/cpu_vs_torch/em/vs_a00b9fc.sh
 set -u
 D=results/benchmarks/cpu_vs_torch/em
-for iterations in 2 1; do
+for iterations in ${ITERATIONS:-2 1}; do
   for round in 1 2 3; do
     for dir in "$A00" "$PWD"; do
       row=$(cd "$dir" && PYTHONPATH="$dir" python -m experiments.benchmark \

@@ -1,6 +1,8 @@
 """Session 16: every convolution of the shipped models alone, as a train step
 needs it (forward, kernel gradient, and the input gradient unless the input
-is the image), at batch B: XLA's lowering (cpu_convolutions.cpu_conv_impl's
+is the image), at batch B (PyTorch's on NCHW tensors, as in
+benchmarks/torch_models.py; convs.log is a first run whose capsjax columns
+lacked the forward pass, which XLA dropped as unused; convs_b*.log have it): XLA's lowering (cpu_convolutions.cpu_conv_impl's
 choice), oneDNN's (capsjax.onednn, now with strides and padding) and
 PyTorch's, alternated in one process, 2 threads, host memory retained.
 PYTHONPATH=.:results/benchmarks/cpu_vs_torch/profile python this [B] [ROUNDS]"""
@@ -50,10 +52,13 @@ for name, shape, kshape, stride, padding in CONVS:
   impls = [xla_impl(shape, kshape, stride, padding), 'onednn']
   for impl in impls:
     conv = lambda x, k, impl=impl: layers.conv2d(x, k, stride, padding, impl)
+    # The output is returned too: unused, XLA would drop the forward pass.
     if image:
-      step = jax.jit(lambda x, k, dy, conv=conv: jax.vjp(lambda k: conv(x, k), k)[1](dy))
+      step = jax.jit(lambda x, k, dy, conv=conv: (
+          lambda y, vjp: (y, vjp(dy)))(*jax.vjp(lambda k: conv(x, k), k)))
     else:
-      step = jax.jit(lambda x, k, dy, conv=conv: jax.vjp(conv, x, k)[1](dy))
+      step = jax.jit(lambda x, k, dy, conv=conv: (
+          lambda y, vjp: (y, vjp(dy)))(*jax.vjp(conv, x, k)))
     calls[impl] = lambda step=step: jax.block_until_ready(step(xj, kj, dyj))
   xt = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous().requires_grad_(not image)
   kt = torch.from_numpy(k).permute(3, 2, 0, 1).contiguous().requires_grad_(True)
