@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capsjax import votes as votes_lib
+
 RUNTIME_WHEEL = 'onednn-cpu-gomp'
 HEADERS_WHEEL = 'onednn-devel-cpu-gomp'
 _SOURCE = pathlib.Path(__file__).parent / 'csrc' / 'onednn_conv.cc'
@@ -135,8 +137,8 @@ def output_shape(x_shape, kernel_shape, stride: int = 1,
   (top, bottom), (left, right) = padding
   b, h, w, _ = x_shape
   k_h, k_w, _, f = kernel_shape
-  return (b, (h + top + bottom - k_h) // stride + 1,
-          (w + left + right - k_w) // stride + 1, f)
+  return (b, votes_lib.output_size(h + top + bottom, k_h, stride),
+          votes_lib.output_size(w + left + right, k_w, stride), f)
 
 
 def _geometry(stride: int, padding: Padding) -> dict[str, np.int64]:

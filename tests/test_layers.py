@@ -50,6 +50,32 @@ def _assert_equals_direct(fast, direct, x, kernel, cotangent):
   return out
 
 
+def _conv_reference(x, kernel, cotangent, stride=1,
+                    padding=((0, 0), (0, 0))):
+  """The convolution and its gradients (x, kernel, cotangent: NumPy arrays
+  or anything np.asarray takes) in float64 NumPy, from the definition:
+  with x zero-padded to xp by ((top, bottom), (left, right)),
+  y[b, i, j, f] = sum_{u, v, c} xp[b, s i + u, s j + v, c] k[u, v, c, f];
+  dxp[b, s i + u, s j + v, c] += dy[b, i, j, f] k[u, v, c, f], cropped;
+  dk[u, v, c, f] = sum_{b, i, j} xp[b, s i + u, s j + v, c] dy[b, i, j, f]."""
+  (top, bottom), (left, right) = padding
+  xp = np.pad(np.asarray(x, np.float64),
+              ((0, 0), (top, bottom), (left, right), (0, 0)))
+  k64, dy64 = np.asarray(kernel, np.float64), np.asarray(cotangent, np.float64)
+  _, out_h, out_w, _ = dy64.shape
+  out, gxp, gk = np.zeros(dy64.shape), np.zeros(xp.shape), np.zeros(k64.shape)
+  for u in range(kernel.shape[0]):
+    for v in range(kernel.shape[1]):
+      rows = slice(u, u + stride * (out_h - 1) + 1, stride)
+      cols = slice(v, v + stride * (out_w - 1) + 1, stride)
+      window = xp[:, rows, cols]
+      out += np.einsum('bijc,cf->bijf', window, k64[u, v])
+      gxp[:, rows, cols] += np.einsum('bijf,cf->bijc', dy64, k64[u, v])
+      gk[u, v] = np.einsum('bijc,bijf->cf', window, dy64)
+  gx = gxp[:, top:xp.shape[1] - bottom, left:xp.shape[2] - right]
+  return out, gx, gk
+
+
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
     (9, 1, 28, 28),  # CapsNet conv1
     (3, 1, 7, 9),  # Su's trunk
@@ -102,10 +128,7 @@ def test_patches_conv_is_the_convolution_sum():
   sum_{u, v, c} x[b, i + u, j + v, c] k[u, v, c, f]."""
   x = np.asarray(_random(0, (2, 6, 7, 3)), np.float64)
   kernel = np.asarray(_random(1, (3, 2, 3, 5)), np.float64)
-  ref = np.zeros((2, 4, 6, 5))
-  for u in range(3):
-    for v in range(2):
-      ref += np.einsum('bijc,cf->bijf', x[:, u:u + 4, v:v + 6], kernel[u, v])
+  ref, _, _ = _conv_reference(x, kernel, np.zeros((2, 4, 6, 5)))
   out = layers.patches_conv(x.astype(np.float32), kernel.astype(np.float32))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -117,12 +140,8 @@ def test_narrow_conv_kernel_gradient_is_the_correlation_sum():
   and two channels, so a wrong window order or channel interleave shows."""
   x = np.asarray(_random(0, (3, 7, 6, 2)), np.float64)
   cotangent = np.asarray(_random(2, (3, 5, 3, 4)), np.float64)
-  ref = np.zeros((3, 4, 2, 4))
-  for u in range(3):
-    for v in range(4):
-      ref[u, v] = np.einsum('bijc,bijf->cf', x[:, u:u + 5, v:v + 3],
-                            cotangent)
   kernel = jnp.zeros((3, 4, 2, 4), jnp.float32)
+  _, _, ref = _conv_reference(x, kernel, cotangent)
   _, vjp = jax.vjp(layers.narrow_conv, x.astype(np.float32), kernel)
   np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[1], ref,
                              rtol=1e-5, atol=1e-5)
@@ -143,13 +162,8 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
   out_h = (height - kernel_size) // stride + 1
   out_w = (width - kernel_size) // stride + 1
   cotangent = np.asarray(_random(2, (2, out_h, out_w, 5)), np.float64)
-  ref = np.zeros((2, height, width, 3))
-  for y in range(out_h):
-    for x in range(out_w):
-      for i in range(kernel_size):
-        for j in range(kernel_size):
-          ref[:, stride * y + i, stride * x + j] += (
-              cotangent[:, y, x] @ kernel[i, j].T)
+  _, ref, _ = _conv_reference(np.zeros((2, height, width, 3)), kernel,
+                              cotangent, stride)
   x = jnp.zeros((2, height, width, 3), jnp.float32)
   _, vjp = jax.vjp(lambda x: layers.taps_conv(x, kernel.astype(np.float32),
                                               stride), x)

@@ -19,6 +19,7 @@ from capsjax import layers
 from capsjax import onednn
 from tests.conftest import REPO
 from tests.test_layers import _assert_equals_direct
+from tests.test_layers import _conv_reference
 from tests.test_layers import _direct_conv
 from tests.test_layers import _output_and_grads
 from tests.test_layers import _random
@@ -41,30 +42,6 @@ def test_builds_and_loads_where_installed():
     assert 'ref' not in onednn.kernels(x_shape, kernel_shape, stride, padding)
 
 
-def _reference(x, kernel, cotangent, stride, padding):
-  """The convolution and its gradients in float64 NumPy, from the
-  definition: with x zero-padded to xp,
-  y[b, i, j, f] = sum_{u, v, c} xp[b, s i + u, s j + v, c] k[u, v, c, f];
-  dxp[b, s i + u, s j + v, c] += dy[b, i, j, f] k[u, v, c, f], cropped;
-  dk[u, v, c, f] = sum_{b, i, j} xp[b, s i + u, s j + v, c] dy[b, i, j, f]."""
-  (top, bottom), (left, right) = padding
-  xp = np.pad(np.asarray(x, np.float64),
-              ((0, 0), (top, bottom), (left, right), (0, 0)))
-  k64, dy64 = np.asarray(kernel, np.float64), np.asarray(cotangent, np.float64)
-  _, out_h, out_w, _ = dy64.shape
-  out, gxp, gk = np.zeros(dy64.shape), np.zeros(xp.shape), np.zeros(k64.shape)
-  for u in range(kernel.shape[0]):
-    for v in range(kernel.shape[1]):
-      rows = slice(u, u + stride * (out_h - 1) + 1, stride)
-      cols = slice(v, v + stride * (out_w - 1) + 1, stride)
-      window = xp[:, rows, cols]
-      out += np.einsum('bijc,cf->bijf', window, k64[u, v])
-      gxp[:, rows, cols] += np.einsum('bijf,cf->bijc', dy64, k64[u, v])
-      gk[u, v] = np.einsum('bijc,bijf->cf', window, dy64)
-  gx = gxp[:, top:xp.shape[1] - bottom, left:xp.shape[2] - right]
-  return out, gx, gk
-
-
 @pytest.mark.parametrize('stride,padding', [
     (1, ((0, 0), (0, 0))),
     (1, ((1, 1), (2, 0))),  # asymmetric: a swapped pair shows
@@ -82,7 +59,7 @@ def test_values_and_both_gradients_are_the_convolution_sums(stride, padding):
   cotangent = _random(2, out_shape)
   out, (gx, gk) = jax.jit(_output_and_grads, static_argnums=0)(
       lambda x, k: onednn.conv(x, k, stride, padding), x, kernel, cotangent)
-  ref, gx_ref, gk_ref = _reference(x, kernel, cotangent, stride, padding)
+  ref, gx_ref, gk_ref = _conv_reference(x, kernel, cotangent, stride, padding)
   assert out.shape == ref.shape == out_shape
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
@@ -106,7 +83,7 @@ def test_shapes_that_differ_only_in_padding_are_not_confused():
   for _ in range(2):  # the second time from the cache
     for padding, (out, (gx, gk)) in zip(
         paddings, jax.jit(all_three)(x, kernel), strict=True):
-      ref, gx_ref, gk_ref = _reference(x, kernel, cotangent, 1, padding)
+      ref, gx_ref, gk_ref = _conv_reference(x, kernel, cotangent, 1, padding)
       np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
