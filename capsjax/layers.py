@@ -11,8 +11,11 @@ Initialisation (see each layer):
 - Vector capsules (Sabour et al. 2017): the official code
   (Sarasra/models, research/capsules) draws capsule transforms from TF's
   truncated normal with stddev 0.1 and sets the routing bias to 0.1;
-  DenseCapsules does the same. SharedCapsules follows Su's Keras layer
-  (glorot uniform over [Din, O*Dout], no bias).
+  DenseCapsules does the same. The official CapsNet's other initialisers
+  (``OFFICIAL_*``; ``models.CapsNet(form='official')`` uses them): every
+  kernel std 0.1 (the first convolution's 0.05), every bias 0.1.
+  SharedCapsules follows Su's Keras layer (glorot uniform over
+  [Din, O*Dout], no bias).
 - Matrix capsules (Hinton et al. 2018): the paper prints no initialisation.
   The plain default ``transform_std=None`` draws each 4x4 transform from a
   normal with std 1/sqrt(P) (a P x P product sums P terms, so this keeps the
@@ -47,8 +50,11 @@ AUTHORS_CONV_INIT = {'transform_std': 0.3, 'beta_a_init': 0.5,
                      'beta_u_init': 0.5}
 AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
                       'beta_u_init': 2.0}
-# The official dynamic-routing code's initialisers (variables.py there).
+# The official dynamic-routing code's initialisers (variables.py there): TF
+# truncated normals with std 0.1 for every kernel and capsule transform but
+# the first convolution's (0.05), every bias 0.1.
 OFFICIAL_WEIGHT_STD = 0.1
+OFFICIAL_CONV1_STD = 0.05
 OFFICIAL_BIAS_INIT = 0.1
 
 CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
@@ -107,6 +113,17 @@ _default_kernel_init = lecun_normal
 def _check_positive_int(name: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f'{name} must be a positive int, got {value!r}.')
+
+
+# The two forms of the dynamic-routing CapsNet: 'official' computes what the
+# official code (Sarasra/models, research/capsules) computes, 'text' what the
+# paper's text says (see PrimaryCapsules, models.CapsNet, losses.margin_loss).
+FORMS = ('official', 'text')
+
+
+def _check_form(form) -> None:
+  if form not in FORMS:
+    raise ValueError(f'form must be one of {FORMS}, got {form!r}.')
 
 
 def _check_iterations(num_iterations) -> None:
@@ -612,13 +629,15 @@ class Conv2D(nnx.Module):
 
   H' = (H - K) // stride + 1 with 'VALID' padding, ceil(H / stride) with
   'SAME'. ``conv_impl`` picks the strided implementation (see ``conv2d``).
+  ``scale`` multiplies the convolution before the bias is added:
+  scale * conv(x, kernel) + bias (the official CapsNet's primary capsules).
   """
 
   def __init__(self, in_features: int, out_features: int, kernel_size: int,
                stride: int = 1, *, padding: str = 'VALID',
                conv_impl: str | None = None, use_bias: bool = True,
                kernel_init=_default_kernel_init, bias_init: float = 0.0,
-               rngs: nnx.Rngs):
+               scale: float = 1.0, rngs: nnx.Rngs):
     for name, value in (('in_features', in_features),
                         ('out_features', out_features),
                         ('kernel_size', kernel_size), ('stride', stride)):
@@ -630,6 +649,7 @@ class Conv2D(nnx.Module):
           f'conv_impl must be one of {CONV_IMPLS} or None, got {conv_impl!r}.')
     self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
     self.conv_impl = conv_impl
+    self.scale = scale
     self.kernel = nnx.Param(kernel_init(
         rngs.params(), (kernel_size, kernel_size, in_features, out_features)))
     self.bias = (nnx.Param(jnp.full((out_features,), bias_init, jnp.float32))
@@ -643,6 +663,8 @@ class Conv2D(nnx.Module):
 
   def __call__(self, x: ArrayLike) -> jax.Array:
     y = conv2d(x, self.kernel[...], self.stride, self.padding, self.conv_impl)
+    if self.scale != 1.0:
+      y = self.scale * y
     if self.bias is not None:
       y = y + self.bias[...].reshape(1, 1, 1, -1)
     return y
@@ -656,20 +678,45 @@ class PrimaryCapsules(nnx.Module):
   """Convolutional primary capsules: conv, group channels, squash.
 
   [B, H, W, in_features] -> [B, H'*W'*num_types, dim] with H' = (H - K) //
-  stride + 1; capsules ordered (row, column, type). No routing (the official
-  code routes once over a single input, which is the same).
+  stride + 1; capsules ordered (row, column, type).
+
+  Two forms (``form``):
+  - 'text' (the paper's text: "no routing"): squash(conv(x) + b).
+  - 'official' (the official code, Sarasra/models research/capsules:
+    ``conv_slim_capsule`` with one routing iteration over a single input
+    capsule): every coupling is softmax(0) over the ``num_types`` outputs,
+    1/num_types (1/(num_types + 1) with ``leaky``, whose extra zero logit
+    takes a share), so the layer computes squash(conv(x) * c + b) with
+    c = 1/32 (1/33) in the MNIST model; the bias is not scaled. The function
+    class is the text form's; the training dynamics are not: under Adam the
+    convolution's contribution moves 32x less per step. That code orders its
+    capsules (type, row, column); the order only permutes the next layer's
+    per-capsule transforms.
+  ``leaky`` has no effect in the 'text' form (it has no routing).
   """
 
   def __init__(self, in_features: int, num_types: int = 32, dim: int = 8,
                kernel_size: int = 9, stride: int = 2, *,
                conv_impl: str | None = None, squash_constant: float = 1.0,
+               form: str = 'text', leaky: bool = False,
+               kernel_init=_default_kernel_init, bias_init: float = 0.0,
                rngs: nnx.Rngs):
     _check_positive_int('num_types', num_types)
     _check_positive_int('dim', dim)
+    _check_form(form)
     self.num_types, self.dim = num_types, dim
     self.squash_constant = squash_constant
+    self.form, self.leaky = form, leaky
     self.conv = Conv2D(in_features, num_types * dim, kernel_size, stride,
-                       conv_impl=conv_impl, rngs=rngs)
+                       conv_impl=conv_impl, kernel_init=kernel_init,
+                       bias_init=bias_init,
+                       scale=self.coupling if form == 'official' else 1.0,
+                       rngs=rngs)
+
+  @property
+  def coupling(self) -> float:
+    """The official form's coupling: 1/num_types, 1/(num_types + 1) leaky."""
+    return 1.0 / (self.num_types + int(self.leaky))
 
   def num_capsules(self, height: int, width: int) -> int:
     """Number of output capsules for an H x W input."""

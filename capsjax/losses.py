@@ -10,25 +10,43 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 
+def _at_least_float32(x: ArrayLike) -> jax.Array:
+  """float32, or float64 where the input is (the float64 reference tests)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def margin_loss(lengths: ArrayLike, labels: ArrayLike, *,
                 positive_margin: float = 0.9, negative_margin: float = 0.1,
-                negative_weight: float = 0.5) -> jax.Array:
-  """Sabour et al. eq. 4, summed over classes.
+                negative_weight: float = 0.5, form: str = 'text'
+                ) -> jax.Array:
+  """Sabour et al. eq. 4 per class, reduced over the classes by ``form``.
 
   L_k = T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2.
+
+  ``form='text'`` (the paper's text): sum_k L_k. ``form='official'`` (the
+  official code's ``_margin_loss``, whose batch loss is a mean over the
+  batch *and* the classes): 0.5 * mean_k L_k, i.e. the text's value / (2K):
+  1/20 of it for 10 classes. With the reconstruction term unchanged
+  (0.0005 * the summed squared error in both), the official code weighs
+  reconstruction 2K = 20x more, relative to the margin, than the text.
 
   Args:
     lengths: [B, K] capsule lengths |v_k| (or scores p in [0, 1]).
     labels: [B, K] targets T_k in {0, 1} (several ones allowed: MultiMNIST).
   Returns:
-    [B] loss per example. Su's binary loss (seed 004) is
+    [B] loss per example. Su's binary loss is
     ``margin_loss(p, y, negative_weight=0.25)``.
   """
-  lengths = jnp.asarray(lengths, jnp.float32)
-  labels = jnp.asarray(labels, jnp.float32)
+  if form not in ('text', 'official'):
+    raise ValueError(f"form must be 'text' or 'official', got {form!r}.")
+  lengths = _at_least_float32(lengths)
+  labels = jnp.asarray(labels, lengths.dtype)
   present = labels * jnp.square(jax.nn.relu(positive_margin - lengths))
   absent = negative_weight * (1.0 - labels) * jnp.square(
       jax.nn.relu(lengths - negative_margin))
+  if form == 'official':
+    return 0.5 * jnp.mean(present + absent, axis=-1)
   return jnp.sum(present + absent, axis=-1)
 
 
@@ -41,8 +59,9 @@ def reconstruction_loss(reconstructions: ArrayLike, images: ArrayLike
   Returns:
     [B].
   """
-  reconstructions = jnp.asarray(reconstructions, jnp.float32)
-  images = jnp.asarray(images, jnp.float32).reshape(reconstructions.shape)
+  reconstructions = _at_least_float32(reconstructions)
+  images = jnp.asarray(images, reconstructions.dtype).reshape(
+      reconstructions.shape)
   diff = reconstructions - images
   return jnp.sum(jnp.square(diff).reshape(diff.shape[0], -1), axis=-1)
 

@@ -82,17 +82,20 @@ def _check_images(images: ArrayLike, channels: int,
 def _lengths(capsules: jax.Array) -> jax.Array:
   """[..., D] -> float32 [...]: from bfloat16 capsules too, so that class
   scores near 1 do not tie at bfloat16's spacing (2^-8 there)."""
-  return routing.safe_norm(capsules.astype(jnp.float32), axis=-1)
+  capsules = capsules.astype(jnp.promote_types(capsules.dtype, jnp.float32))
+  return routing.safe_norm(capsules, axis=-1)
 
 
 class _MLP(nnx.Module):
   """Dense layers, ReLU between them: [B, in] -> [B, widths[-1]]."""
 
   def __init__(self, in_features: int, widths: Sequence[int], *,
-               kernel_init=layers.lecun_normal, rngs: nnx.Rngs):
+               kernel_init=layers.lecun_normal, bias_init: float = 0.0,
+               rngs: nnx.Rngs):
     sizes = (in_features,) + tuple(widths)
+    bias = nnx.initializers.constant(bias_init)
     self.layers = nnx.List([nnx.Linear(a, b, kernel_init=kernel_init,
-                                       rngs=rngs)
+                                       bias_init=bias, rngs=rngs)
                             for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -113,7 +116,18 @@ class CapsNet(nnx.Module):
   Conv1 ReLU (stride 1, VALID) -> PrimaryCapsules (VALID, stride 2) ->
   DenseCapsules with dynamic routing and the official learned bias ->
   optional decoder FC 512 ReLU -> FC 1024 ReLU -> FC H*W*C sigmoid.
-  Conv layers use Flax's default initialisers (lecun normal, zero bias).
+
+  ``form`` picks what the primary capsules compute and how the layers start:
+  - 'official': the official code's model (Sarasra/models,
+    research/capsules), which produced the paper's numbers. Primary capsules
+    squash(conv(x) / 32 + b) (one routing iteration over a single input:
+    ``layers.PrimaryCapsules``); TF truncated-normal initialisers, std 0.05
+    for Conv1 and 0.1 for the primary kernel, the capsule transforms and the
+    decoder, every bias 0.1; ``leaky`` routing in both capsule layers.
+    Its loss is ``losses.margin_loss(form='official')``.
+  - 'text' (the default): the paper's text. Primary capsules squash(conv(x)
+    + b); LeCun-normal kernels and zero biases for the convolutions and the
+    decoder (the capsule transforms as above); ``leaky`` in DigitCaps only.
 
   Returns {'lengths': [B, K], 'capsules': [B, K, digit_dim],
   'coupling': [B, I, K] (I primary capsules), and with ``reconstruction``
@@ -131,7 +145,8 @@ class CapsNet(nnx.Module):
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = True, reconstruction: bool = True,
                decoder_widths: Sequence[int] = (512, 1024),
-               conv_impl: str | None = None, rngs: nnx.Rngs):
+               form: str = 'text', conv_impl: str | None = None,
+               rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
     # Named here, not by the layer's own argument names.
     for name, value in (('num_classes', num_classes),
@@ -143,14 +158,25 @@ class CapsNet(nnx.Module):
                         ('primary_stride', primary_stride),
                         ('digit_dim', digit_dim)):
       _check_positive_int(name, value)
+    if form not in layers.FORMS:
+      raise ValueError(f'form must be one of {layers.FORMS}, got {form!r}.')
     self.input_shape = (height, width, channels)
     self.num_classes = num_classes
+    self.form = form
+    if form == 'official':
+      init = {'kernel_init': layers.truncated_normal_init(
+          layers.OFFICIAL_WEIGHT_STD), 'bias_init': layers.OFFICIAL_BIAS_INIT}
+      conv1_init = init | {'kernel_init': layers.truncated_normal_init(
+          layers.OFFICIAL_CONV1_STD)}
+    else:
+      init = conv1_init = {}
     self.conv1 = layers.Conv2D(channels, conv1_channels, conv1_kernel, 1,
-                               rngs=rngs)
+                               rngs=rngs, **conv1_init)
     grid = (self.conv1.output_size(height), self.conv1.output_size(width))
     self.primary = layers.PrimaryCapsules(
         conv1_channels, primary_types, primary_dim, primary_kernel,
-        primary_stride, conv_impl=conv_impl, rngs=rngs)
+        primary_stride, conv_impl=conv_impl, form=form, leaky=leaky,
+        rngs=rngs, **init)
     num_primary = self.primary.num_capsules(*grid)
     self.digit = layers.DenseCapsules(
         num_primary, primary_dim, num_classes, digit_dim, num_iterations,
@@ -159,7 +185,8 @@ class CapsNet(nnx.Module):
     if reconstruction:
       widths = _check_widths('decoder_widths', decoder_widths)
       self.decoder = _MLP(num_classes * digit_dim,
-                          widths + (height * width * channels,), rngs=rngs)
+                          widths + (height * width * channels,), rngs=rngs,
+                          **init)
     else:
       self.decoder = None
 

@@ -29,7 +29,8 @@ SMALL_CAPSNET = dict(conv1_channels=8, primary_types=2, decoder_widths=(16,))
 
 
 def _config(weight=0.0005):
-  return ml_collections.ConfigDict({'reconstruction_weight': weight})
+  return ml_collections.ConfigDict({'reconstruction_weight': weight,
+                                    'loss_form': 'text'})
 
 
 # ----------------------------------------------------------------------------

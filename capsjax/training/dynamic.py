@@ -53,7 +53,8 @@ def dynamic_loss(outputs: dict[str, jax.Array], images: jax.Array,
   if 'logits' in outputs:
     loss = losses.cross_entropy_loss(outputs['logits'], labels)
   elif 'lengths' in outputs:
-    loss = losses.margin_loss(outputs['lengths'], one_hot)
+    loss = losses.margin_loss(outputs['lengths'], one_hot,
+                              form=config.loss_form)
     metrics['margin_loss'] = jnp.mean(loss)
     if 'reconstructions' in outputs:
       reconstruction = losses.reconstruction_loss(outputs['reconstructions'],
@@ -165,7 +166,7 @@ def two_digit_loss(outputs: dict[str, jax.Array], labels: jax.Array,
   if 'logits' in outputs:
     loss = jnp.sum(optax.sigmoid_binary_cross_entropy(scores, targets), -1)
   else:
-    loss = losses.margin_loss(scores, targets)
+    loss = losses.margin_loss(scores, targets, form=config.loss_form)
     metrics['margin_loss'] = jnp.mean(loss)
     if 'digit_reconstructions' in outputs:
       per_digit = [losses.reconstruction_loss(

@@ -3,9 +3,18 @@
   python -m experiments.capsnet_mnist --workdir=/tmp/capsnet_mnist \\
       --config=experiments/configs/capsnet_mnist.py
 
-Variants (``--config=experiments/configs/capsnet_mnist.py:VARIANT``):
+The default is the official code's model and loss (``form='official'``,
+the code that produced the paper's 0.25%): primary capsules squash(conv(x) /
+32 + b), the margin loss as half its mean over the classes (1/20 of the
+text's sum, so reconstruction weighs 20x more), TF truncated-normal
+initialisers with biases 0.1 (``models.CapsNet``, ``losses.margin_loss``).
+
+Variants (``--config=experiments/configs/capsnet_mnist.py:VARIANT``, joined
+with commas):
+  text     the paper's text instead: squash(conv(x) + b), the margin loss
+           summed over classes, LeCun-normal kernels and zero biases.
   smoke    a reduced CapsNet (same code, smaller widths) that trains on a CPU
-           in under two minutes; CI runs it.
+           in a few minutes; CI runs it.
   norecon  the paper's ablation without the reconstruction loss.
   iter1    1 routing iteration.
 Any key can be overridden: ``--config.num_train_steps=1000``.
@@ -23,6 +32,8 @@ def get_config(variant: str = ''):
   config.model = 'capsnet'
   config.model_options.num_iterations = 3
   config.model_options.reconstruction = True
+  config.model_options.form = 'official'
+  config.loss_form = 'official'
   config.reconstruction_weight = 0.0005
   # About 50 epochs of 55k images; the official code trained ~300k steps.
   config.num_train_steps = 21_500
@@ -49,6 +60,9 @@ def get_config(variant: str = ''):
       config.eval_every_steps = 225
       config.checkpoint_every_steps = 225
       config.log_every_steps = 50
+    elif part == 'text':
+      config.model_options.form = 'text'
+      config.loss_form = 'text'
     elif part == 'norecon':
       config.model_options.reconstruction = False
     elif part == 'iter1':
@@ -58,5 +72,5 @@ def get_config(variant: str = ''):
       config.shorter_run = common.smoke_run('capsnet_fashion_mnist.py:smoke')
     else:
       raise ValueError(f'unknown variant {part!r} of capsnet_mnist; known: '
-                       f'smoke, norecon, iter1, fashion.')
+                       f'text, smoke, norecon, iter1, fashion.')
   return config

@@ -13,6 +13,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.validation_size = 5000
   config.model = 'capsnet'
   config.model_options = ml_collections.ConfigDict()
+  # How the CapsNet margin loss reduces over the classes (losses.margin_loss):
+  # 'text' sums them (the paper's text), 'official' takes half their mean
+  # (the official code: 1/20 of the sum for 10 classes).
+  config.loss_form = 'text'
   config.seed = 0
   config.batch_size = 128
   config.eval_batch_size = 500
