@@ -46,10 +46,11 @@ from capsjax import votes as votes_lib
 
 # The authors' released initialisation for matrix capsule layers
 # (google-research capsule_em: conv_capsule_mat / connector_capsule_mat).
-AUTHORS_CONV_INIT = {'transform_std': 0.3, 'beta_a_init': 0.5,
-                     'beta_u_init': 0.5}
-AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'beta_a_init': 1.0,
-                      'beta_u_init': 2.0}
+# TF truncated normals (cut at 2 std), as there.
+AUTHORS_CONV_INIT = {'transform_std': 0.3, 'transform_init': 'truncated',
+                     'beta_a_init': 0.5, 'beta_u_init': 0.5}
+AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'transform_init': 'truncated',
+                      'beta_a_init': 1.0, 'beta_u_init': 2.0}
 # The official dynamic-routing code's initialisers (variables.py there): TF
 # truncated normals with std 0.1 for every kernel and capsule transform but
 # the first convolution's (0.05), every bias 0.1.
@@ -107,6 +108,10 @@ def glorot_uniform(key, shape, dtype=jnp.float32):
 
 
 KERNEL_INITS = {'lecun_normal': lecun_normal, 'glorot_uniform': glorot_uniform}
+# The released EM code's first convolution (capsule_em): truncated normal
+# std 0.05, bias 0.1.
+AUTHORS_CONV1_INIT = {'kernel_init': truncated_normal_init(0.05),
+                      'bias_init': 0.1}
 _default_kernel_init = lecun_normal
 
 
@@ -735,7 +740,9 @@ class DenseCapsules(nnx.Module):
   One transform W_ij [Din, Dout] per (input, output) pair and an optional
   learned bias [O, Dout] added to s_j before the squash (the official code's
   ``capsule`` layer; it initialises W from a truncated normal with std 0.1
-  and the bias to 0.1, the defaults here).
+  and the bias to 0.1, the defaults here). Su's routing variants
+  (``accumulate=False``, ``squash_constant=0.5``, ``normalize_agreement``)
+  are options, so his later routing with unshared weights is this layer.
 
   Input [B, I, Din] -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
@@ -744,7 +751,8 @@ class DenseCapsules(nnx.Module):
                num_iterations: int = 3, *, accumulate: bool = True,
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = True, weight_std: float = OFFICIAL_WEIGHT_STD,
-               bias_init: float = OFFICIAL_BIAS_INIT, rngs: nnx.Rngs):
+               bias_init: float = OFFICIAL_BIAS_INIT,
+               normalize_agreement: bool = False, rngs: nnx.Rngs):
     for name, value in (('num_in', num_in), ('in_dim', in_dim),
                         ('num_out', num_out), ('out_dim', out_dim)):
       _check_positive_int(name, value)
@@ -752,6 +760,7 @@ class DenseCapsules(nnx.Module):
     self.num_iterations = num_iterations
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
+    self.normalize_agreement = normalize_agreement
     self.weights = nnx.Param(truncated_normal_init(weight_std)(
         rngs.params(), (num_in, num_out, in_dim, out_dim)))
     self.bias = (nnx.Param(jnp.full((num_out, out_dim), bias_init, jnp.float32))
@@ -762,7 +771,8 @@ class DenseCapsules(nnx.Module):
     return routing.dynamic_routing(
         u_hat, self.num_iterations, accumulate=self.accumulate,
         leaky=self.leaky, squash_constant=self.squash_constant,
-        bias=None if self.bias is None else self.bias[...])
+        bias=None if self.bias is None else self.bias[...],
+        normalize_agreement=self.normalize_agreement)
 
 
 class SharedCapsules(nnx.Module):
@@ -821,18 +831,39 @@ class MatrixPrimaryCapsules(nnx.Module):
 
   [B, H, W, in_features] -> (poses [B, H, W, num_types, P, P],
   activations [B, H, W, num_types]).
+
+  ``form='paper'``: a pose kernel and an activation kernel with biases
+  (LeCun normal, zero biases), activations sigmoid(x W_a + b_a).
+  ``form='released'`` (google-research capsule_em, ``primary_caps``): no
+  biases, activations sigmoid(logit - 1); one kernel [in_features,
+  num_types * (P*P + 1)] read type by type, P*P pose entries then the
+  activation logit. That code concatenates a pose kernel (TF truncated
+  normal, std 0.5) and an activation kernel (std 3.0) and then reads the
+  concatenation in groups of P*P + 1, so the std-3.0 columns are the last
+  num_types columns, not the activation logits (for 32 types they are the
+  poses and logits of the last two types); this form draws its kernel the
+  same way.
   """
 
   def __init__(self, in_features: int, num_types: int, pose_size: int = 4, *,
-               rngs: nnx.Rngs):
+               form: str = 'paper', rngs: nnx.Rngs):
     for name, value in (('in_features', in_features),
                         ('num_types', num_types), ('pose_size', pose_size)):
       _check_positive_int(name, value)
-    self.num_types, self.pose_size = num_types, pose_size
+    if form not in ('paper', 'released'):
+      raise ValueError(f"form must be 'paper' or 'released', got {form!r}.")
+    self.num_types, self.pose_size, self.form = num_types, pose_size, form
+    poses = num_types * pose_size * pose_size
+    if form == 'released':
+      pose_key, activation_key = rngs.params(), rngs.params()
+      self.kernel = nnx.Param(jnp.concatenate([
+          truncated_normal_init(0.5)(pose_key, (in_features, poses)),
+          truncated_normal_init(3.0)(activation_key, (in_features, num_types)),
+      ], axis=-1))
+      return
     self.pose_kernel = nnx.Param(_default_kernel_init(
-        rngs.params(), (in_features, num_types * pose_size * pose_size)))
-    self.pose_bias = nnx.Param(
-        jnp.zeros((num_types * pose_size * pose_size,), jnp.float32))
+        rngs.params(), (in_features, poses)))
+    self.pose_bias = nnx.Param(jnp.zeros((poses,), jnp.float32))
     self.activation_kernel = nnx.Param(_default_kernel_init(
         rngs.params(), (in_features, num_types)))
     self.activation_bias = nnx.Param(jnp.zeros((num_types,), jnp.float32))
@@ -840,6 +871,11 @@ class MatrixPrimaryCapsules(nnx.Module):
   def __call__(self, x: ArrayLike) -> tuple[jax.Array, jax.Array]:
     x = jnp.asarray(x)
     p = self.pose_size
+    if self.form == 'released':
+      y = jnp.einsum('...c,cf->...f', x, self.kernel[...])
+      y = y.reshape(x.shape[:-1] + (self.num_types, p * p + 1))
+      poses = y[..., :p * p].reshape(x.shape[:-1] + (self.num_types, p, p))
+      return poses, jax.nn.sigmoid(y[..., p * p] - 1.0)
     poses = _dense(x, self.pose_kernel[...], self.pose_bias[...])
     poses = poses.reshape(x.shape[:-1] + (self.num_types, p, p))
     logits = _dense(x, self.activation_kernel[...], self.activation_bias[...])
@@ -847,7 +883,8 @@ class MatrixPrimaryCapsules(nnx.Module):
 
 
 def _em_options(num_iterations, inverse_temperature, variance_epsilon,
-                normalize_cost, center_momentum, activation_form) -> dict:
+                normalize_cost, center_momentum, activation_form,
+                released) -> dict:
   _check_iterations(num_iterations)
   if activation_form not in ('paper', 'authors'):
     raise ValueError(
@@ -879,13 +916,21 @@ def _em_options(num_iterations, inverse_temperature, variance_epsilon,
   return dict(num_iterations=num_iterations,
               inverse_temperature=inverse_temperature,
               variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-              center_momentum=center_momentum, activation_form=activation_form)
+              center_momentum=center_momentum, activation_form=activation_form,
+              released=bool(released))
 
 
 def _transform_init(rngs: nnx.Rngs, shape: Sequence[int], pose_size: int,
-                    transform_std: float | None) -> jax.Array:
+                    transform_std: float | None, transform_init: str = 'normal'
+                    ) -> jax.Array:
+  """A normal (or, 'truncated', TF's truncated normal: the released code's)
+  with std ``transform_std``, default 1/sqrt(pose_size)."""
   std = 1.0 / math.sqrt(pose_size) if transform_std is None else transform_std
-  return normal_init(std)(rngs.params(), tuple(shape))
+  if transform_init not in ('normal', 'truncated'):
+    raise ValueError(f"transform_init must be 'normal' or 'truncated', got "
+                     f'{transform_init!r}.')
+  init = truncated_normal_init if transform_init == 'truncated' else normal_init
+  return init(std)(rngs.params(), tuple(shape))
 
 
 def conv_capsule_routing(
@@ -895,7 +940,9 @@ def conv_capsule_routing(
     variance_epsilon: float = routing.VARIANCE_FLOOR,
     normalize_cost: bool = False, center_momentum: float = 0.0,
     activation_form: str = 'paper', normalize_across_positions: bool = False,
-    votes_dtype=None, remat_iterations: bool = False
+    released: bool = False, mass_epsilon: float | None = None,
+    true_stride: bool = False, votes_dtype=None,
+    remat_iterations: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Convolutional capsules with EM routing, as a pure function.
 
@@ -912,6 +959,15 @@ def conv_capsule_routing(
       normalises each child's assignments over every parent that receives
       its votes across positions (the authors' released code), via
       ``votes.conv_parent_normalizer``.
+    released: the released code's conv routing (``update_conv_routing``;
+      ``routing.RELEASED_EM`` sets it with its other options): the mass
+      padded by ``mass_epsilon`` (default 1e-7) as in ``routing.em_routing``,
+      and its E-step normaliser ``votes.released_conv_normalizer`` (each
+      (child, parent type) over the windows covering the child, windows
+      indexed as if the stride were 1).
+    true_stride: with ``released``, index the windows' children with the
+      layer's stride (a correction of the released code; no effect at
+      stride 1).
     votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
       routing statistics stay float32. None keeps the poses' dtype.
   Returns:
@@ -948,7 +1004,21 @@ def conv_capsule_routing(
                  center_momentum=center_momentum,
                  activation_form=activation_form,
                  remat_iterations=remat_iterations)
-  if normalize_across_positions:
+  if released:
+    if normalize_across_positions:
+      raise ValueError('released=True brings its own E-step normaliser; '
+                       'leave normalize_across_positions False.')
+    normalizer = votes_lib.released_conv_normalizer(
+        out_h, out_w, kernel_size, stride, in_types, true_stride=true_stride)
+    out_poses, out_acts, assignments = routing.em_routing(
+        window_votes, act_patches, beta_u, beta_a,
+        assignment_normalizer=normalizer, released=True,
+        mass_epsilon=(routing.RELEASED_CONV_MASS_EPSILON
+                      if mass_epsilon is None else mass_epsilon), **options)
+  elif true_stride or mass_epsilon is not None:
+    raise ValueError('true_stride and mass_epsilon apply with released=True '
+                     'only.')
+  elif normalize_across_positions:
     normalizer = votes_lib.conv_parent_normalizer(height, width, kernel_size,
                                                   stride, in_types)
     out_poses, out_acts, assignments = routing.em_routing(
@@ -992,9 +1062,11 @@ class ConvCapsules(nnx.Module):
                variance_epsilon: float = routing.VARIANCE_FLOOR,
                normalize_cost: bool = False, center_momentum: float = 0.0,
                activation_form: str = 'paper',
-               normalize_across_positions: bool = False, remat: bool = False,
-               remat_iterations: bool = False, votes_dtype=None,
-               transform_std: float | None = None,
+               normalize_across_positions: bool = False,
+               released: bool = False, true_stride: bool = False,
+               remat: bool = False, remat_iterations: bool = False,
+               votes_dtype=None, transform_std: float | None = None,
+               transform_init: str = 'normal',
                beta_u_init: float = 0.0, beta_a_init: float = 0.0,
                rngs: nnx.Rngs):
     for name, value in (('in_types', in_types), ('out_types', out_types),
@@ -1004,13 +1076,16 @@ class ConvCapsules(nnx.Module):
     self.kernel_size, self.stride = kernel_size, stride
     self.routing_options = _em_options(
         num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
-        center_momentum, activation_form)
+        center_momentum, activation_form, released)
+    if true_stride and not released:
+      raise ValueError('true_stride applies with released=True only.')
     self.normalize_across_positions = normalize_across_positions
+    self.true_stride = true_stride
     self.remat, self.remat_iterations = remat, remat_iterations
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(
         rngs, (kernel_size, kernel_size, in_types, out_types, pose_size,
-               pose_size), pose_size, transform_std))
+               pose_size), pose_size, transform_std, transform_init))
     self.beta_u = nnx.Param(jnp.full((out_types,), beta_u_init, jnp.float32))
     self.beta_a = nnx.Param(jnp.full((out_types,), beta_a_init, jnp.float32))
 
@@ -1023,8 +1098,8 @@ class ConvCapsules(nnx.Module):
     fn = functools.partial(
         conv_capsule_routing, stride=self.stride,
         normalize_across_positions=self.normalize_across_positions,
-        votes_dtype=self.votes_dtype, remat_iterations=self.remat_iterations,
-        **self.routing_options)
+        true_stride=self.true_stride, votes_dtype=self.votes_dtype,
+        remat_iterations=self.remat_iterations, **self.routing_options)
     if self.remat:
       fn = jax.checkpoint(fn)
     out_poses, out_acts, _ = fn(poses, activations, self.weights[...],
@@ -1039,7 +1114,9 @@ def class_capsule_routing(
     num_iterations: int = 3, inverse_temperature=None,
     variance_epsilon: float = routing.VARIANCE_FLOOR,
     normalize_cost: bool = False, center_momentum: float = 0.0,
-    activation_form: str = 'paper', votes_dtype=None
+    activation_form: str = 'paper', released: bool = False,
+    mass_epsilon: float | None = None, coordinate_order: str = 'row_col',
+    votes_dtype=None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Class capsules: transforms shared over positions, one EM routing.
 
@@ -1051,6 +1128,11 @@ def class_capsule_routing(
       (``votes.coordinate_addition``).
     coordinate_offsets: (row offsets [H], column offsets [W]) to add
       instead (e.g. ``votes.authors_coordinates``); None: the grid's.
+    coordinate_order: 'row_col' puts the row on vote entry 0 and the column
+      on entry 1; 'col_row' the other way round (the released code, whose
+      ``conv_pos`` swaps its two channels at each of its three calls).
+    released, mass_epsilon: as ``routing.em_routing`` (the released class
+      layer pads the mass by 1e-5).
   Returns:
     (poses [B, O, P, P] in the input poses' dtype, activations [B, O]
     float32 (the class scores), assignments [B, H*W*Cin, O] float32), inputs
@@ -1069,13 +1151,15 @@ def class_capsule_routing(
   num_out, p = weights.shape[1], weights.shape[2]
   v = votes_lib.matrix_votes(poses, weights)  # [B, H, W, Cin, O, P*P]
   if coordinate_addition:
-    v = votes_lib.coordinate_addition(v, *(coordinate_offsets or (None, None)))
+    v = votes_lib.coordinate_addition(v, *(coordinate_offsets or (None, None)),
+                                      order=coordinate_order)
   v = v.reshape(batch, -1, num_out, p * p)
   out_poses, out_acts, assignments = routing.em_routing(
       v, activations.reshape(batch, -1), beta_u, beta_a,
       num_iterations=num_iterations, inverse_temperature=inverse_temperature,
       variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-      center_momentum=center_momentum, activation_form=activation_form)
+      center_momentum=center_momentum, activation_form=activation_form,
+      released=released, mass_epsilon=mass_epsilon)
   # The class activations are the class scores: float32 (routing.em_routing).
   return (out_poses.reshape(batch, num_out, p, p).astype(out_dtype),
           out_acts, assignments)
@@ -1101,8 +1185,10 @@ class ClassCapsules(nnx.Module):
                inverse_temperature=None,
                variance_epsilon: float = routing.VARIANCE_FLOOR,
                normalize_cost: bool = False, center_momentum: float = 0.0,
-               activation_form: str = 'paper', votes_dtype=None,
-               transform_std: float | None = None, beta_u_init: float = 0.0,
+               activation_form: str = 'paper', released: bool = False,
+               coordinate_order: str = 'row_col', votes_dtype=None,
+               transform_std: float | None = None,
+               transform_init: str = 'normal', beta_u_init: float = 0.0,
                beta_a_init: float = 0.0, rngs: nnx.Rngs):
     for name, value in (('in_types', in_types), ('num_classes', num_classes),
                         ('pose_size', pose_size)):
@@ -1113,11 +1199,15 @@ class ClassCapsules(nnx.Module):
         tuple(float(x) for x in axis) for axis in coordinate_offsets)
     self.routing_options = _em_options(
         num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
-        center_momentum, activation_form)
+        center_momentum, activation_form, released)
+    if coordinate_order not in ('row_col', 'col_row'):
+      raise ValueError(f"coordinate_order must be 'row_col' or 'col_row', got "
+                       f'{coordinate_order!r}.')
+    self.coordinate_order = coordinate_order
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(
         rngs, (in_types, num_classes, pose_size, pose_size), pose_size,
-        transform_std))
+        transform_std, transform_init))
     self.beta_u = nnx.Param(jnp.full((num_classes,), beta_u_init, jnp.float32))
     self.beta_a = nnx.Param(jnp.full((num_classes,), beta_a_init, jnp.float32))
 
@@ -1127,5 +1217,6 @@ class ClassCapsules(nnx.Module):
         poses, activations, self.weights[...], self.beta_u[...],
         self.beta_a[...], coordinate_addition=self.coordinate_addition,
         coordinate_offsets=self.coordinate_offsets,
-        votes_dtype=self.votes_dtype, **self.routing_options)
+        coordinate_order=self.coordinate_order, votes_dtype=self.votes_dtype,
+        **self.routing_options)
     return out_poses, out_acts

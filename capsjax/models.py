@@ -332,15 +332,32 @@ class MatrixCapsNet(nnx.Module):
   D*K*16 + 2K. 32x32x1 gives 316,394 for A=B=C=D=32 (paper "310K") and
   67,154 for A=64, B=8, C=D=16 (paper "68K").
 
+  The released code (google-research ``capsule_em``) and the paper's text
+  differ in the places below; each is an option, and the ``:authors``
+  config variants set them all (``tests/test_released_em.py`` checks them
+  against float64 references written from that code).
+
   ``coordinate_form``: what coordinate addition adds to the class votes:
-  'grid', each position's (h + 0.5) / H of the last grid, or 'authors', its
-  receptive field's centre in input pixels, centred and divided by 100 (the
-  released code; ``votes.authors_coordinates``).
+  'grid', each position's (h + 0.5) / H of the last grid on entries (0, 1)
+  = (row, column); 'authors', its receptive field's centre in input pixels,
+  centred and divided by 100 (``votes.authors_coordinates``), row on entry
+  0; 'released', those centres with the column on entry 0 and the row on
+  entry 1, as the released code's ``conv_pos`` leaves them.
+
+  ``primary_form``: 'paper' (pose and activation kernels with biases) or
+  'released' (sigmoid(logit - 1), no biases; ``MatrixPrimaryCapsules``).
+
+  ``released_routing``: every EM layer routes as the released slow path
+  (``routing.RELEASED_EM``: the padded mass, and in conv capsules its E-step
+  normaliser, each (child, parent type) over the windows that cover the
+  child, windows indexed as if the stride were 1); ``true_stride`` corrects
+  that indexing in the stride-2 ConvCaps1.
 
   ``init='paper'`` (the paper prints none): transforms normal std 1/2 =
   1/sqrt(pose side), or ``transform_std``, beta_u = beta_a = 0.
-  ``init='authors'``: the released code's std 0.3 / beta 0.5 (conv
-  capsules) and std 0.01 / beta_a 1.0, beta_u 2.0 (class capsules). Routing
+  ``init='authors'``: the released code's TF truncated normals, std 0.3 /
+  beta 0.5 (conv capsules), std 0.01 / beta_a 1.0, beta_u 2.0 (class
+  capsules), and Conv1 std 0.05 with bias 0.1. Routing
   options go to every EM layer; ``caps1_iterations`` > 0 overrides
   ``num_iterations`` in ConvCaps1 (the largest routing, most of a CPU
   training step); ``class_inverse_temperature`` overrides
@@ -364,7 +381,9 @@ class MatrixCapsNet(nnx.Module):
                normalize_cost: bool = False,
                variance_epsilon: float = routing.VARIANCE_FLOOR,
                center_momentum: float = 0.0, activation_form: str = 'paper',
-               normalize_across_positions: bool = False, remat: bool = False,
+               normalize_across_positions: bool = False,
+               released_routing: bool = False, true_stride: bool = False,
+               primary_form: str = 'paper', remat: bool = False,
                remat_iterations: bool = False, votes_dtype=None,
                init: str = 'paper',
                transform_std: float | None = None,
@@ -380,9 +399,9 @@ class MatrixCapsNet(nnx.Module):
       _check_positive_int(name, value)
     if init not in ('paper', 'authors'):
       raise ValueError(f"init must be 'paper' or 'authors', got {init!r}.")
-    if coordinate_form not in ('grid', 'authors'):
-      raise ValueError(f"coordinate_form must be 'grid' or 'authors', got "
-                       f'{coordinate_form!r}.')
+    if coordinate_form not in ('grid', 'authors', 'released'):
+      raise ValueError(f"coordinate_form must be 'grid', 'authors' or "
+                       f"'released', got {coordinate_form!r}.")
     if transform_std is not None and not transform_std > 0:
       raise ValueError(f'transform_std must be > 0, got {transform_std!r}.')
     if init == 'authors' and transform_std is not None:
@@ -400,10 +419,13 @@ class MatrixCapsNet(nnx.Module):
     self.input_shape = (height, width, channels)
     em = dict(num_iterations=num_iterations, variance_epsilon=variance_epsilon,
               normalize_cost=normalize_cost, center_momentum=center_momentum,
-              activation_form=activation_form, votes_dtype=votes_dtype)
-    self.conv1 = layers.Conv2D(channels, A, conv1_kernel, conv1_stride,
-                               conv_impl=conv_impl, rngs=rngs)
-    self.primary = layers.MatrixPrimaryCapsules(A, B, rngs=rngs)
+              activation_form=activation_form, released=released_routing,
+              votes_dtype=votes_dtype)
+    self.conv1 = layers.Conv2D(
+        channels, A, conv1_kernel, conv1_stride, conv_impl=conv_impl,
+        rngs=rngs, **(layers.AUTHORS_CONV1_INIT if init == 'authors' else {}))
+    self.primary = layers.MatrixPrimaryCapsules(A, B, form=primary_form,
+                                                rngs=rngs)
     if (isinstance(caps1_iterations, bool) or
         not isinstance(caps1_iterations, int) or caps1_iterations < 0):
       raise ValueError(f'caps1_iterations must be a positive int (or 0: '
@@ -411,12 +433,14 @@ class MatrixCapsNet(nnx.Module):
     caps1_iterations = caps1_iterations or num_iterations
     self.caps1 = layers.ConvCapsules(
         B, C, caps1_kernel, caps1_stride, inverse_temperature=inverse_temperature,
-        normalize_across_positions=normalize_across_positions, remat=remat,
+        normalize_across_positions=normalize_across_positions,
+        true_stride=true_stride, remat=remat,
         remat_iterations=remat_iterations, rngs=rngs,
         **(em | {'num_iterations': caps1_iterations}), **conv_init)
     self.caps2 = layers.ConvCapsules(
         C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
-        normalize_across_positions=normalize_across_positions, remat=remat,
+        normalize_across_positions=normalize_across_positions,
+        true_stride=true_stride, remat=remat,
         remat_iterations=remat_iterations, rngs=rngs, **em, **conv_init)
     # The authors' coordinates: each class-layer position's receptive-field
     # centre in input pixels (Conv1, then the 1x1 primary capsules, then
@@ -429,6 +453,8 @@ class MatrixCapsNet(nnx.Module):
     self.class_caps = layers.ClassCapsules(
         D, num_classes, coordinate_addition=coordinate_addition,
         coordinate_offsets=offsets,
+        coordinate_order='col_row' if coordinate_form == 'released'
+        else 'row_col',
         inverse_temperature=class_inverse_temperature, rngs=rngs, **em,
         **class_init)
     # Fail at construction, not first call, when a kernel does not fit.

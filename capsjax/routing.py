@@ -34,6 +34,12 @@ VARIANCE_FLOOR = 1e-4
 # Added to the mass sum_i R_ij a_i before it divides: a parent that receives no
 # mass (all-zero activations) gets mean 0 and variance = the floor, not 0/0.
 MASS_EPSILON = 1e-6
+# The released EM code (google-research capsule_em, em_layers.py) adds its
+# epsilon to the mass itself and uses that padded mass in the mean, the
+# variance and the activation logit: 1e-5 in the class layer
+# (update_em_routing), 1e-7 in conv capsule layers (update_conv_routing).
+RELEASED_CLASS_MASS_EPSILON = 1e-5
+RELEASED_CONV_MASS_EPSILON = 1e-7
 # Final inverse temperature of the authors' schedule (their answer in the
 # OpenReview thread and their released code).
 FINAL_INVERSE_TEMPERATURE = 0.01
@@ -237,14 +243,15 @@ def inverse_temperature_schedule(
   return tuple(final * (1.0 - 0.95 ** (t + 1)) for t in range(num_iterations))
 
 
-def _inverse_temperatures(inverse_temperature, num_iterations: int
+def _inverse_temperatures(inverse_temperature, num_iterations: int, dtype
                           ) -> jax.Array:
+  """[T] lambdas in the routing's compute dtype (float64 under x64)."""
   if inverse_temperature is None:
     values = inverse_temperature_schedule(num_iterations)
   elif isinstance(inverse_temperature, (int, float)):
     values = (float(inverse_temperature),) * num_iterations
   else:
-    values = jnp.asarray(inverse_temperature, jnp.float32)
+    values = jnp.asarray(inverse_temperature, dtype)
     if values.shape == ():
       return jnp.full((num_iterations,), values)
     if values.shape != (num_iterations,):
@@ -252,7 +259,7 @@ def _inverse_temperatures(inverse_temperature, num_iterations: int
           f'inverse_temperature must be None, a float or one value per '
           f'iteration ({num_iterations}), got shape {values.shape}.')
     return values
-  return jnp.asarray(values, jnp.float32)
+  return jnp.asarray(values, dtype)
 
 
 class EMRoutingState(NamedTuple):
@@ -286,6 +293,7 @@ def em_m_step(
     normalize_cost: bool = False,
     center_momentum: float = 0.0,
     activation_form: str = 'paper',
+    padded_mass_epsilon: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One M-step: fit each parent's diagonal Gaussian and its activation.
 
@@ -296,6 +304,10 @@ def em_m_step(
     beta_u, beta_a: broadcastable to [O].
     inverse_temperature: scalar lambda.
     previous_poses: [..., O, D] the last mean (used with center_momentum).
+    padded_mass_epsilon: None adds ``MASS_EPSILON`` to the divisor of the
+      mean and variance only; a float adds it to the mass sum_i R_ij a_i
+      itself, which the mean, the variance and the cost then use (the
+      released code's form).
   Returns:
     (poses mu [..., O, D], log_variances [..., O, D], activation_logits [..., O]).
   """
@@ -305,7 +317,11 @@ def em_m_step(
   # rather than by implicit rank promotion.
   beta_u = jnp.broadcast_to(beta_u, mass.shape)
   beta_a = jnp.broadcast_to(beta_a, mass.shape)
-  normalized = weights / (mass[..., None] + MASS_EPSILON)
+  if padded_mass_epsilon is None:
+    normalized = weights / (mass[..., None] + MASS_EPSILON)
+  else:
+    mass = mass + padded_mass_epsilon
+    normalized = weights / mass[..., None]
   poses = _SUM('...oi,...oid->...od', normalized, votes)
   if center_momentum:
     # The released code's centre update mu = 0.9 new + 0.1 old (old = 0 at
@@ -370,6 +386,19 @@ def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
                       -1, -2)
 
 
+# The released EM code's routing (google-research capsule_em, the slow path
+# of em_layers.py), as keyword options of both ``em_routing`` and
+# ``layers.conv_capsule_routing``; the caller passes the released inverse
+# temperatures (``inverse_temperature_schedule``, final lambda 0.01, a
+# quarter of it in the class layer). Conv capsule layers then also take the
+# released E-step normaliser (``votes.released_conv_normalizer``: each
+# (child, parent type) normalised over the windows that cover the child, so
+# a child's assignments sum to the number of parent types, with windows
+# indexed as if the stride were 1; ``true_stride=True`` corrects that).
+RELEASED_EM = {'released': True, 'variance_epsilon': 5e-4,
+               'center_momentum': 0.1, 'activation_form': 'authors'}
+
+
 def em_routing(
     votes: ArrayLike,
     activations: ArrayLike,
@@ -383,6 +412,8 @@ def em_routing(
     center_momentum: float = 0.0,
     activation_form: str = 'paper',
     assignment_normalizer: Normalizer | None = None,
+    released: bool = False,
+    mass_epsilon: float | None = None,
     remat_iterations: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """EM routing between capsule layers (Hinton et al. 2018, Procedure 1).
@@ -418,6 +449,15 @@ def em_routing(
       log R. Default: log-softmax over O. Convolutional capsule layers pass
       one that normalises each child over every parent that receives its
       votes across positions (the released code).
+    released: the released code's slow path (``update_em_routing``) where
+      it differs beyond the options above: the mass sum_i R_ij a_i is
+      padded by ``mass_epsilon`` (default ``RELEASED_CLASS_MASS_EPSILON``,
+      1e-5) and that padded mass enters the mean, the variance and the
+      activation logit; False adds ``MASS_EPSILON`` (1e-6) to the mean's and
+      variance's divisor only. ``RELEASED_EM`` sets it with the other
+      released options.
+    mass_epsilon: the padding with ``released`` (None: 1e-5; conv capsule
+      layers pass 1e-7, as the released conv routing).
     remat_iterations: ``jax.checkpoint`` each iteration: the backward pass
       keeps only the [..., I, O] assignments between iterations and
       recomputes each iteration's [..., I, O, D] temporaries when it gets
@@ -446,12 +486,20 @@ def em_routing(
   activations32 = activations.astype(votes32.dtype)
   beta_u32 = jnp.asarray(beta_u, votes32.dtype)
   beta_a32 = jnp.asarray(beta_a, votes32.dtype)
-  lambdas = _inverse_temperatures(inverse_temperature, num_iterations)
+  lambdas = _inverse_temperatures(inverse_temperature, num_iterations,
+                                  votes32.dtype)
   votes32 = jnp.swapaxes(votes32, -3, -2)  # parent-major: [..., O, I, D]
+  if mass_epsilon is not None and not released:
+    raise ValueError('mass_epsilon applies with released=True only.')
+  padded = None
+  if released:
+    padded = (RELEASED_CLASS_MASS_EPSILON if mass_epsilon is None
+              else float(mass_epsilon))
   m_step = lambda log_r, lam, prev: em_m_step(  # noqa: E731
       votes32, activations32, log_r, beta_u32, beta_a32, lam, prev,
       variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-      center_momentum=center_momentum, activation_form=activation_form)
+      center_momentum=center_momentum, activation_form=activation_form,
+      padded_mass_epsilon=padded)
 
   def iteration(t, state: EMRoutingState) -> EMRoutingState:
     poses, log_variances, activation_logits = m_step(

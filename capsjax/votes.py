@@ -148,7 +148,8 @@ def authors_coordinates(size: int, layer_windows: Sequence[tuple[int, int]]
 
 
 def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,
-                        col_offsets: ArrayLike | None = None) -> jax.Array:
+                        col_offsets: ArrayLike | None = None, *,
+                        order: str = 'row_col') -> jax.Array:
   """Add each position's scaled (row, col) to the first two vote entries.
 
   Hinton et al. 2018, section 3.1: the class layer shares transforms over
@@ -158,9 +159,15 @@ def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,
     votes: [..., H, W, C, O, D] votes of capsules on an H x W grid.
     row_offsets: [H] scaled row centres; default (h + 0.5) / H.
     col_offsets: [W] scaled column centres; default (w + 0.5) / W.
+    order: 'row_col' adds the row to entry 0 and the column to entry 1;
+      'col_row' the column to entry 0 and the row to entry 1 (the released
+      code of Hinton et al.: its ``conv_pos`` swaps the two channels at each
+      of its three calls).
   Returns:
     [..., H, W, C, O, D]; entries 0 and 1 of D shifted.
   """
+  if order not in ('row_col', 'col_row'):
+    raise ValueError(f"order must be 'row_col' or 'col_row', got {order!r}.")
   votes = jnp.asarray(votes)
   if votes.ndim < 5 or votes.shape[-1] < 2:
     raise ValueError(
@@ -176,7 +183,8 @@ def coordinate_addition(votes: ArrayLike, row_offsets: ArrayLike | None = None,
   cols = jnp.broadcast_to(jnp.asarray(col_offsets, votes.dtype)[None, :],
                           (height, width))
   offsets = jnp.zeros((height, width, votes.shape[-1]), votes.dtype)
-  offsets = offsets.at[..., 0].set(rows).at[..., 1].set(cols)
+  first, second = (rows, cols) if order == 'row_col' else (cols, rows)
+  offsets = offsets.at[..., 0].set(first).at[..., 1].set(second)
   # Leading 1s for the batch dims: no implicit rank promotion.
   offsets = offsets.reshape((1,) * (votes.ndim - 5) + (height, width, 1, 1, -1))
   return votes + offsets
@@ -230,3 +238,58 @@ def conv_parent_normalizer(height: int, width: int, kernel_size: int,
     return log_numerators - log_total[..., None]
 
   return normalize
+
+
+def released_conv_normalizer(out_height: int, out_width: int,
+                             kernel_size: int, stride: int, num_types: int,
+                             *, true_stride: bool = False,
+                             epsilon: float = 1e-7):
+  """The released code's conv-capsule E-step normaliser.
+
+  google-research capsule_em (``update_conv_routing``), for each batch
+  entry, child type i and parent type o separately:
+    e = exp(u - max u), the max over every output position and tap;
+    R(window, tap) = e(window, tap) / (sum e(window', tap') + epsilon),
+  the sum over the (window', tap') that index the same child. So each
+  (child, parent type) is normalised over the windows that cover the child,
+  and a child's assignments sum to about the number of parent types, not 1.
+  The released code indexes a window's child as output position + tap, as
+  if the stride were 1 (a stride-2 layer groups children that are not the
+  same); ``true_stride=True`` uses output position * stride + tap instead.
+  Because of ``epsilon`` the max subtraction changes the result, so it is
+  kept (and differentiated) as there.
+
+  Args:
+    out_height, out_width: the output grid H' x W'; kernel_size K; stride;
+      num_types C (the child types).
+  Returns:
+    A function log_numerators [B, H', W', K*K*C, O] (children ordered (row
+    tap, column tap, type)) -> log R, same shape.
+  """
+  step = stride if true_stride else 1
+  rows = (np.arange(out_height)[:, None] * step + np.arange(kernel_size)[None])
+  cols = (np.arange(out_width)[:, None] * step + np.arange(kernel_size)[None])
+  grid_h, grid_w = int(rows.max()) + 1, int(cols.max()) + 1
+  rows = rows[:, None, :, None]  # [H', 1, K, 1]
+  cols = cols[None, :, None, :]  # [1, W', 1, K]
+
+  def normalize(log_numerators: jax.Array) -> jax.Array:
+    batch, out_h, out_w, num_in, num_out = log_numerators.shape
+    if (out_h, out_w, num_in) != (out_height, out_width,
+                                  kernel_size * kernel_size * num_types):
+      raise ValueError(
+          f'released_conv_normalizer: expected [B, {out_height}, {out_width}, '
+          f'{kernel_size * kernel_size * num_types}, O] log-numerators, got '
+          f'{log_numerators.shape}.')
+    u = log_numerators.reshape(batch, out_h, out_w, kernel_size, kernel_size,
+                               num_types, num_out)
+    shifted = u - jnp.max(u, axis=(1, 2, 3, 4), keepdims=True)
+    e = jnp.exp(shifted)
+    # [B, H', W', K, K, C, O] -> sums on the child grid [B, Hc, Wc, C, O].
+    child_sum = jnp.zeros((batch, grid_h, grid_w, num_types, num_out),
+                          e.dtype).at[:, rows, cols].add(e)
+    log_total = jnp.log(child_sum[:, rows, cols] + epsilon)
+    return (shifted - log_total).reshape(log_numerators.shape)
+
+  return normalize
+

@@ -274,6 +274,9 @@ def test_primary_capsules_shapes_and_values():
     {},
     {'accumulate': False, 'squash_constant': 0.5, 'leaky': True,
      'use_bias': False},
+    # Su's later routing with unshared weights.
+    {'accumulate': False, 'squash_constant': 0.5, 'normalize_agreement': True,
+     'use_bias': False},
 ])
 def test_dense_capsules_match_einsum_reference(options):
   dims = chex.Dimensions(B=3, I=12, O=5, E=8, D=6)
@@ -290,7 +293,9 @@ def test_dense_capsules_match_einsum_reference(options):
       routing.dynamic_routing, num_iterations=3,
       accumulate=options.get('accumulate', True),
       leaky=options.get('leaky', False),
-      squash_constant=options.get('squash_constant', 1.0)))(u_hat, bias=bias)
+      squash_constant=options.get('squash_constant', 1.0),
+      normalize_agreement=options.get('normalize_agreement', False)))(
+          u_hat, bias=bias)
   np.testing.assert_allclose(outputs, ref_out, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(coupling, ref_coupling, rtol=1e-5, atol=1e-6)
   if layer.bias is not None:
@@ -505,12 +510,16 @@ def test_matrix_layers_authors_init():
                              **layers.AUTHORS_CONV_INIT)
   np.testing.assert_allclose(conv.beta_a[...], 0.5)
   np.testing.assert_allclose(conv.beta_u[...], 0.5)
-  assert abs(float(jnp.std(conv.weights[...])) - 0.3) < 0.02
+  # TF's truncated normal (cut at 2 std): std 0.88 of the normal's.
+  weights = np.asarray(conv.weights[...])
+  assert abs(float(weights.std()) - 0.88 * 0.3) < 0.02
+  assert np.abs(weights).max() <= 0.6
   cls = layers.ClassCapsules(8, 5, rngs=nnx.Rngs(0),
                              **layers.AUTHORS_CLASS_INIT)
   np.testing.assert_allclose(cls.beta_a[...], 1.0)
   np.testing.assert_allclose(cls.beta_u[...], 2.0)
-  assert abs(float(jnp.std(cls.weights[...])) - 0.01) < 0.002
+  assert abs(float(jnp.std(cls.weights[...])) - 0.88 * 0.01) < 0.002
+  assert np.abs(np.asarray(cls.weights[...])).max() <= 0.02
   plain = layers.ConvCapsules(8, 8, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(plain.beta_a[...], 0.0)
   assert abs(float(jnp.std(plain.weights[...])) - 0.5) < 0.03

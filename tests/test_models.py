@@ -304,7 +304,8 @@ def test_matrix_capsnet_options_reach_the_layers_on_mnist_shapes():
     assert layer.votes_dtype == jnp.bfloat16
     assert layer.routing_options == dict(
         num_iterations=3, inverse_temperature=1.0, variance_epsilon=5e-4,
-        normalize_cost=True, center_momentum=0.1, activation_form='authors')
+        normalize_cost=True, center_momentum=0.1, activation_form='authors',
+        released=False)
   assert model.class_caps.routing_options['inverse_temperature'] == (
       0.001, 0.002, 0.003)
   out = nnx.eval_shape(lambda m, x: m(x), model,
@@ -419,6 +420,6 @@ def test_matrix_capsnet_authors_coordinates_follow_its_layers():
   grid = models.create_model('matrix_capsnet', input_shape=(32, 32, 1), A=8,
                              B=2, C=2, D=2, num_classes=5, rngs=nnx.Rngs(0))
   assert grid.class_caps.coordinate_offsets is None
-  with pytest.raises(ValueError, match="coordinate_form must be 'grid' or "
+  with pytest.raises(ValueError, match="coordinate_form must be 'grid', "
                      "'authors'"):
     models.create_model('matrix_capsnet', coordinate_form='centre', rngs=nnx.Rngs(0))
