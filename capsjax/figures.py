@@ -32,9 +32,6 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from capsjax import layers
-from capsjax import routing
-
 # Sabour et al. 2017, Section 5.1: each dimension tweaked "by intervals of
 # 0.05 in the range [-0.25, 0.25]". Rounded so that the middle offset is an
 # exact +0 (np.arange(-0.25, 0.2501, 0.05) leaves 2.8e-17 there).
@@ -72,8 +69,6 @@ def model_outputs(model: nnx.Module, images: ArrayLike) -> dict[str, np.ndarray]
 @nnx.jit
 def _capsnet_forward(model: nnx.Module, x: jax.Array) -> dict[str, jax.Array]:
   out = model(x, train=False)
-  primary = model.primary(jax.nn.relu(model.conv1(x)))  # [B, I, primary_dim]
-  out['primary_lengths'] = routing.safe_norm(primary, axis=-1)
   out['mask'] = model.decoder_mask(out['lengths'], None, False)
   return out
 
@@ -81,22 +76,6 @@ def _capsnet_forward(model: nnx.Module, x: jax.Array) -> dict[str, jax.Array]:
 @nnx.jit
 def _decode(model: nnx.Module, masked: jax.Array) -> jax.Array:
   return jax.nn.sigmoid(model.decoder(masked))
-
-
-@nnx.jit
-def _em_class_forward(model: nnx.Module, x: jax.Array
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(class activations [B, K], assignments [B, I, K], inputs [B, h, w, t])."""
-  x = jax.nn.relu(model.conv1(x))
-  poses, acts = model.primary(x)
-  poses, acts = model.caps1(poses, acts)
-  poses, acts = model.caps2(poses, acts)
-  head = model.class_caps
-  _, class_acts, assignments = layers.class_capsule_routing(
-      poses, acts, head.weights[...], head.beta_u[...], head.beta_a[...],
-      coordinate_addition=head.coordinate_addition,
-      votes_dtype=head.votes_dtype, **head.routing_options)
-  return class_acts, assignments, acts
 
 
 def _as_float_images(images: ArrayLike) -> np.ndarray:
@@ -194,9 +173,8 @@ def capsnet_routing(model: nnx.Module, image: ArrayLike) -> dict[str, Any]:
 def em_class_routing(model: nnx.Module, image: ArrayLike) -> dict[str, Any]:
   """The class-layer EM assignments of one image (matrix capsules).
 
-  Runs the model's layers up to ConvCaps2, then the class layer's routing
-  through ``layers.class_capsule_routing`` with its parameters and options,
-  which also returns the assignments the layer itself discards.
+  One call of the model itself, which returns its class layer's
+  assignments and input activations beside the class activations.
 
   Args:
     model: a MatrixCapsNet.
@@ -215,13 +193,13 @@ def em_class_routing(model: nnx.Module, image: ArrayLike) -> dict[str, Any]:
   image = np.asarray(image, np.float32)
   if image.ndim != 3:
     raise ValueError(f'image must be [H, W, C], got shape {image.shape}.')
-  class_acts, assignments, acts = _em_class_forward(model,
-                                                    jnp.asarray(image[None]))
-  scores = np.asarray(class_acts[0])
-  return {'assignments': np.asarray(assignments[0]),
-          'input_activations': np.asarray(acts[0]).reshape(-1),
-          'grid': tuple(acts.shape[1:]), 'scores': scores,
-          'prediction': int(np.argmax(scores))}
+  out = _outputs(model, jnp.asarray(image[None]))
+  scores = np.asarray(out['activations'][0])
+  rows, cols = (sizes[-1] for sizes in model.grid_sizes)
+  return {'assignments': np.asarray(out['assignments'][0]),
+          'input_activations': np.asarray(out['class_input_activations'][0]),
+          'grid': (rows, cols, model.class_caps.weights.shape[0]),
+          'scores': scores, 'prediction': int(np.argmax(scores))}
 
 
 # ----------------------------------------------------------------------------

@@ -1211,12 +1211,18 @@ class ClassCapsules(nnx.Module):
     self.beta_u = nnx.Param(jnp.full((num_classes,), beta_u_init, jnp.float32))
     self.beta_a = nnx.Param(jnp.full((num_classes,), beta_a_init, jnp.float32))
 
-  def __call__(self, poses: ArrayLike, activations: ArrayLike
-               ) -> tuple[jax.Array, jax.Array]:
-    out_poses, out_acts, _ = class_capsule_routing(
+  def route(self, poses: ArrayLike, activations: ArrayLike
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(poses [B, K, P, P], activations [B, K], assignments [B, H*W*Cin, K])
+    (see ``class_capsule_routing``)."""
+    return class_capsule_routing(
         poses, activations, self.weights[...], self.beta_u[...],
         self.beta_a[...], coordinate_addition=self.coordinate_addition,
         coordinate_offsets=self.coordinate_offsets,
         coordinate_order=self.coordinate_order, votes_dtype=self.votes_dtype,
         **self.routing_options)
+
+  def __call__(self, poses: ArrayLike, activations: ArrayLike
+               ) -> tuple[jax.Array, jax.Array]:
+    out_poses, out_acts, _ = self.route(poses, activations)
     return out_poses, out_acts

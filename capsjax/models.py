@@ -130,7 +130,9 @@ class CapsNet(nnx.Module):
     decoder (the capsule transforms as above); ``leaky`` in DigitCaps only.
 
   Returns {'lengths': [B, K], 'capsules': [B, K, digit_dim],
-  'coupling': [B, I, K] (I primary capsules), and with ``reconstruction``
+  'coupling': [B, I, K] (I primary capsules), 'primary_lengths': [B, I]
+  (the primary capsules' lengths, which scale their votes), and with
+  ``reconstruction``
   'reconstructions': [B, H*W*C]}. The decoder sees only the label's capsule
   when ``train`` and labels are given (a multi-hot [B, K] label keeps several),
   else only the longest capsule.
@@ -243,7 +245,8 @@ class CapsNet(nnx.Module):
     primary = self.primary(features)  # [B, I, primary_dim]
     capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
     lengths = _lengths(capsules)
-    out = {'lengths': lengths, 'capsules': capsules, 'coupling': coupling}
+    out = {'lengths': lengths, 'capsules': capsules, 'coupling': coupling,
+           'primary_lengths': routing.safe_norm(primary, axis=-1)}
     if self.decoder is not None:
       mask = self.decoder_mask(lengths, labels, train)
       masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
@@ -365,7 +368,10 @@ class MatrixCapsNet(nnx.Module):
   ``class_lambda_scale`` multiplies the other layers' lambda there (the
   released code: 0.25, final lambda / 4).
 
-  Returns {'activations': [B, K], 'poses': [B, K, 4, 4]}.
+  Returns {'activations': [B, K], 'poses': [B, K, 4, 4], and the class
+  layer's routing: 'assignments' [B, I, K] (I = h * w * D ConvCaps2
+  capsules, ordered (row, column, type)) and 'class_input_activations'
+  [B, I]}.
   """
 
   def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
@@ -476,8 +482,10 @@ class MatrixCapsNet(nnx.Module):
     poses, acts = self.primary(x)
     poses, acts = self.caps1(poses, acts)
     poses, acts = self.caps2(poses, acts)
-    poses, acts = self.class_caps(poses, acts)
-    return {'activations': acts, 'poses': poses}
+    class_poses, class_acts, assignments = self.class_caps.route(poses, acts)
+    return {'activations': class_acts, 'poses': class_poses,
+            'assignments': assignments,
+            'class_input_activations': acts.reshape(acts.shape[0], -1)}
 
 
 # ----------------------------------------------------------------------------

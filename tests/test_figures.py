@@ -32,9 +32,11 @@ def capsnet():
 
 @pytest.fixture(scope='module')
 def matrix_capsnet():
+  # The shipped configs' coordinates: the routing picture must add the same
+  # offsets as the model (a second forward pass once left them out).
   return models.create_model('matrix_capsnet', rngs=nnx.Rngs(0),
                              input_shape=(28, 28, 1), num_classes=10, A=8, B=4,
-                             C=4, D=4)
+                             C=4, D=4, coordinate_form='authors')
 
 
 @pytest.fixture(scope='module')

@@ -20,9 +20,12 @@ from capsjax.data.idx import read_idx
 from capsjax.data.mnist import load_dataset
 from capsjax.data.multimnist import multimnist_batch
 from capsjax.data.multimnist import multimnist_test_set
+from capsjax.data.smallnorb import combine_crop_activations
 from capsjax.data.smallnorb import read_norb_matrix
+from capsjax.data.smallnorb import smallnorb_distort
 from capsjax.data.smallnorb import smallnorb_eval_preprocess
 from capsjax.data.smallnorb import smallnorb_multicrop
+from capsjax.data.smallnorb import smallnorb_train_draws
 from capsjax.data.smallnorb import smallnorb_train_preprocess
 from capsjax.data.smallnorb import write_norb_matrix
 from capsjax.data.two_digits import PAIR_LAYOUTS
@@ -38,6 +41,7 @@ __all__ = (
     'affnist_files',
     'blank_fields',
     'center_crop',
+    'combine_crop_activations',
     'digit_pairs',
     'load_affnist',
     'load_dataset',
@@ -48,8 +52,10 @@ __all__ = (
     'read_idx',
     'read_norb_matrix',
     'shift',
+    'smallnorb_distort',
     'smallnorb_eval_preprocess',
     'smallnorb_multicrop',
+    'smallnorb_train_draws',
     'smallnorb_train_preprocess',
     'to_float',
     'write_norb_matrix',

@@ -147,8 +147,8 @@ def load_dataset(name: str, *, data_dir: PathLike | None = None,
     validation_size: the last ``validation_size`` training examples become
       the validation split (0: empty validation split).
     source: 'auto' (files, then TFDS), 'local' (files only) or 'tfds'.
-    **options: smallnorb only: ``stereo=True``, ``viewpoint_split=None``
-      (see ``smallnorb.load_smallnorb``).
+    **options: smallnorb only: ``stereo=True``, ``viewpoint_split=None``,
+      ``downsample='mean'`` (see ``smallnorb.load_smallnorb``).
 
   Returns:
     ``Dataset``: uint8 ``[N, H, W, C]`` images (28x28x1; smallnorb 48x48x2),

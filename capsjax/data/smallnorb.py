@@ -70,6 +70,12 @@ TRAIN_ELEVATIONS = (0, 1, 2)
 VIEWPOINT_SPLITS = (None, 'azimuth', 'elevation')
 
 CROP_SIZE = 32
+# How the 96x96 release becomes 48x48 (``downsample``).
+DOWNSAMPLE_METHODS = ('mean', 'pick')
+# The order of the training distortions (``smallnorb_distort``).
+AUGMENT_ORDERS = ('crop_first', 'released')
+# Test-time crop patterns (``multicrop_offsets``).
+MULTICROP_PATTERNS = ('grid', 'released')
 # tf.image.random_brightness(max_delta=63) and random_contrast(0.2, 1.8) of
 # the authors' code, on a 0-255 scale; here images are in [0, 1].
 MAX_BRIGHTNESS_DELTA = 63 / 255
@@ -234,15 +240,29 @@ def read_release_split(files: dict[str, PathLike]) -> NorbArrays:
   return check_norb_arrays(arrays, files)
 
 
-def downsample(dat: np.ndarray, *, chunk: int = 2048) -> np.ndarray:
-  """2x2 mean pooling (area resize to half size), rounded half up.
+def downsample(dat: np.ndarray, *, method: str = 'mean',
+               chunk: int = 2048) -> np.ndarray:
+  """Halves the release's images, by ``method``.
+
+  'mean' (capsjax): the 2x2 mean (an area resize), rounded half up.
+  'pick' (the released code): pixel (2i, 2j), the top-left of each 2x2
+  block. ``norb_record._read_and_decode`` calls ``tf.image.resize_images``
+  with its TF1 defaults: bilinear, ``align_corners=False`` and the legacy
+  pixel mapping src = dst * in / out, so output (i, j) samples source
+  (2i, 2j) with a zero weight on its neighbours: a copy, no interpolation.
 
   Args:
-    dat: uint8 ``[N, 2, H, W]`` as stored.
+    dat: uint8 ``[N, C, H, W]`` as stored (C = 2, the stereo pair).
+    method: 'mean' or 'pick'.
   Returns:
-    uint8 ``[N, H/2, W/2, 2]`` (channels last).
+    uint8 ``[N, H/2, W/2, C]`` (channels last).
   """
+  if method not in DOWNSAMPLE_METHODS:
+    raise ValueError(f'method must be one of {DOWNSAMPLE_METHODS}, got '
+                     f'{method!r}')
   n, c, h, w = dat.shape
+  if method == 'pick':
+    return np.ascontiguousarray(dat[:, :, ::2, ::2].transpose(0, 2, 3, 1))
   out = np.empty((n, h // 2, w // 2, c), np.uint8)
   for start in range(0, n, chunk):
     block = dat[start:start + chunk].reshape(-1, c, h // 2, 2, w // 2, 2)
@@ -269,10 +289,15 @@ def viewpoint_mask(info: np.ndarray, viewpoint_split: str) -> np.ndarray:
                    f'{viewpoint_split!r}')
 
 
-def to_split(arrays: NorbArrays, *, stereo: bool = True) -> Split:
-  """Downsampled 48x48 images (2 channels, or the left image) and categories."""
+def to_split(arrays: NorbArrays, *, stereo: bool = True,
+             downsample_method: str = 'mean') -> Split:
+  """Downsampled 48x48 images (2 channels, or the left image) and categories.
+
+  ``downsample_method``: see ``downsample``.
+  """
   dat = arrays.dat if stereo else arrays.dat[:, :1]
-  return Split(downsample(dat), arrays.cat.astype(np.int32))
+  return Split(downsample(dat, method=downsample_method),
+               arrays.cat.astype(np.int32))
 
 
 def _load_tfds_release() -> dict[str, NorbArrays]:
@@ -325,7 +350,8 @@ def _not_found(places, *, tfds_tried: bool) -> str:
 def load_smallnorb(*, data_dir: PathLike | None = None,
                    validation_size: int = 5000, source: str = 'auto',
                    stereo: bool = True,
-                   viewpoint_split: str | None = None) -> Dataset:
+                   viewpoint_split: str | None = None,
+                   downsample: str = 'mean') -> Dataset:
   """smallNORB at 48x48, labels = category 0-4.
 
   Args:
@@ -338,6 +364,8 @@ def load_smallnorb(*, data_dir: PathLike | None = None,
     viewpoint_split: None (the standard split), 'azimuth' or 'elevation':
       train on the training viewpoints (``viewpoint_mask``) of the training
       file, test on the other viewpoints of the test file.
+    downsample: how 96x96 becomes 48x48: 'mean' (capsjax's 2x2 mean) or
+      'pick' (the released code's pixel (2i, 2j)); see ``downsample``.
 
   Returns:
     ``Dataset`` with uint8 ``[N, 48, 48, C]`` images.
@@ -345,6 +373,9 @@ def load_smallnorb(*, data_dir: PathLike | None = None,
   if viewpoint_split not in VIEWPOINT_SPLITS:
     raise ValueError(f'viewpoint_split must be one of {VIEWPOINT_SPLITS}, got '
                      f'{viewpoint_split!r}')
+  if downsample not in DOWNSAMPLE_METHODS:
+    raise ValueError(f'downsample must be one of {DOWNSAMPLE_METHODS}, got '
+                     f'{downsample!r}')
   release = load_release(data_dir=data_dir, source=source)
   train, test = release['training'], release['testing']
   if viewpoint_split is not None:
@@ -352,11 +383,11 @@ def load_smallnorb(*, data_dir: PathLike | None = None,
                          for a in train))
     test = NorbArrays(*(a[~viewpoint_mask(test.info, viewpoint_split)]
                         for a in test))
-  train_split = to_split(train, stereo=stereo)
+  train_split = to_split(train, stereo=stereo, downsample_method=downsample)
   train_split, validation = carve_validation(*train_split, validation_size)
   name = 'smallnorb' + (f'_{viewpoint_split}' if viewpoint_split else '')
-  return Dataset(train_split, validation, to_split(test, stereo=stereo),
-                 NUM_CLASSES, name)
+  test_split = to_split(test, stereo=stereo, downsample_method=downsample)
+  return Dataset(train_split, validation, test_split, NUM_CLASSES, name)
 
 
 # ----------------------------------------------------------------------------
@@ -404,24 +435,113 @@ def _check_crop(images: jax.Array, crop_size: int) -> None:
                      f' got {images.shape}')
 
 
+def _to_pixel_range(images: jax.Array, pixel_max: float) -> jax.Array:
+  """uint8 -> float32 in [0, pixel_max] (1: capsjax's [0, 1]; 255: as stored)."""
+  return images.astype(jnp.float32) / (255.0 / pixel_max)
+
+
+def smallnorb_train_draws(
+    key: jax.Array, batch_size: int, height: int, width: int, *,
+    crop_size: int = CROP_SIZE,
+    max_brightness_delta: float = MAX_BRIGHTNESS_DELTA,
+    contrast_range: tuple[float, float] = CONTRAST_RANGE
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The random draws of ``smallnorb_train_preprocess``, one set per image.
+
+  Returns:
+    offsets: int32 ``[B, 2]`` top-left (row, column) of the crop, uniform
+      over all ``(height - crop_size + 1) x (width - crop_size + 1)``
+      positions (tf.random_crop's).
+    delta: float32 ``[B]`` brightness delta uniform in
+      ``[-max_brightness_delta, max_brightness_delta)``, a fraction of the
+      pixel range (tf.image.random_brightness's max_delta=63 on 0-255).
+    factor: float32 ``[B]`` contrast factor uniform in ``contrast_range``
+      (tf.image.random_contrast's).
+  """
+  crop_key, brightness_key, contrast_key = jax.random.split(key, 3)
+  offsets = jax.random.randint(crop_key, (batch_size, 2), 0,
+                               jnp.array([[height - crop_size + 1,
+                                           width - crop_size + 1]]))
+  delta = jax.random.uniform(brightness_key, (batch_size,),
+                             minval=-max_brightness_delta,
+                             maxval=max_brightness_delta)
+  factor = jax.random.uniform(contrast_key, (batch_size,),
+                              minval=contrast_range[0],
+                              maxval=contrast_range[1])
+  return offsets, delta, factor
+
+
+def _brightness_contrast(x: jax.Array, delta: jax.Array, factor: jax.Array
+                         ) -> jax.Array:
+  """x + delta, then each channel's deviation from its mean times factor.
+
+  tf.image.adjust_brightness then adjust_contrast on float images (no
+  clipping); the mean is over all of x's rows and columns.
+  x: ``[B, H, W, C]``; delta, factor: ``[B]`` in x's units / unitless.
+  """
+  x = x + delta[:, None, None, None]
+  channel_mean = jnp.mean(x, axis=(1, 2), keepdims=True)
+  return (x - channel_mean) * factor[:, None, None, None] + channel_mean
+
+
+def smallnorb_distort(images: ArrayLike, offsets: ArrayLike, delta: ArrayLike,
+                      factor: ArrayLike, *, crop_size: int = CROP_SIZE,
+                      order: str = 'crop_first', pixel_max: float = 1.0
+                      ) -> jax.Array:
+  """The training distortions for given draws (``smallnorb_train_draws``).
+
+  Pixels are first scaled to [0, ``pixel_max``]; the brightness delta is
+  ``delta * pixel_max``. Then, by ``order``:
+
+  'crop_first' (capsjax): the crop at ``offsets``, brightness, contrast
+  about each channel's mean over the 32x32 crop, ``standardize``.
+  'released' (the released ``norb_record._read_and_decode``, distort=1):
+  brightness and contrast on the whole 48x48 image (each channel's mean over
+  48x48), then the crop, then ``standardize``.
+
+  ``pixel_max``: 1 (capsjax, [0, 1]) or 255 (the released code, which
+  never rescales the stored bytes). It only matters through the std floor
+  1/sqrt(32 * 32 * C) of ``standardize``: in [0, 1] it binds on crops whose
+  std is below ~5.6 grey levels (C = 2), e.g. low-contrast crops after a
+  contrast factor near 0.2; in 0-255 practically never.
+
+  The standardisation removes the brightness delta exactly in both orders
+  and, above the floor, the contrast factor for one channel; with two
+  channels the contrast step moves the channels' means apart or together.
+  In 'released' those means are the 48x48 image's, not the crop's.
+
+  Args:
+    images: uint8 ``[B, H, W, C]`` (48x48 smallNORB).
+    offsets: int ``[B, 2]``; delta, factor: ``[B]``.
+  Returns:
+    float32 ``[B, crop_size, crop_size, C]``.
+  """
+  if order not in AUGMENT_ORDERS:
+    raise ValueError(f'order must be one of {AUGMENT_ORDERS}, got {order!r}')
+  images = jnp.asarray(images)
+  _check_crop(images, crop_size)
+  delta = jnp.asarray(delta, jnp.float32) * pixel_max
+  factor = jnp.asarray(factor, jnp.float32)
+  if order == 'crop_first':
+    x = _to_pixel_range(crop(images, offsets, crop_size=crop_size), pixel_max)
+    return standardize(_brightness_contrast(x, delta, factor))
+  x = _brightness_contrast(_to_pixel_range(images, pixel_max), delta, factor)
+  return standardize(crop(x, offsets, crop_size=crop_size))
+
+
 def smallnorb_train_preprocess(
     key: jax.Array, images: ArrayLike, *, crop_size: int = CROP_SIZE,
     max_brightness_delta: float = MAX_BRIGHTNESS_DELTA,
-    contrast_range: tuple[float, float] = CONTRAST_RANGE) -> jax.Array:
+    contrast_range: tuple[float, float] = CONTRAST_RANGE,
+    order: str = 'crop_first', pixel_max: float = 1.0) -> jax.Array:
   """Training distortions of the authors' code, per image.
 
-  Scale to [0, 1]; a random ``crop_size`` crop (top-left uniform over all
-  ``(H - crop_size + 1)^2`` positions); add a brightness delta uniform in
-  ``[-max_brightness_delta, max_brightness_delta)`` (one per image, no
-  clipping, as tf.image.random_brightness on float images); scale the
-  deviation from each channel's mean by a contrast factor uniform in
-  ``contrast_range`` (tf.image.random_contrast); ``standardize``.
-
-  Note: the final standardisation removes the brightness delta exactly, and
-  the contrast factor too for one channel (apart from near-constant crops,
-  where the std floor binds). With two channels the contrast step survives
-  only as a rescaling of the difference between the channels' means. Both
-  are kept for fidelity to the authors' pipeline.
+  ``smallnorb_distort(images, *smallnorb_train_draws(key, ...))``: a random
+  ``crop_size`` crop, a brightness delta (no clipping, as
+  tf.image.random_brightness on float images), a contrast factor
+  (tf.image.random_contrast), ``standardize``; ``order`` and ``pixel_max``
+  choose capsjax's form (crop first, [0, 1]) or the released code's
+  (brightness and contrast on the 48x48 image, then the crop; 0-255).
 
   Args:
     key: PRNG key; split into (crop, brightness, contrast) keys.
@@ -432,26 +552,20 @@ def smallnorb_train_preprocess(
   images = jnp.asarray(images)
   _check_crop(images, crop_size)
   b, h, w, _ = images.shape
-  crop_key, brightness_key, contrast_key = jax.random.split(key, 3)
-  offsets = jax.random.randint(crop_key, (b, 2), 0,
-                               jnp.array([[h - crop_size + 1,
-                                           w - crop_size + 1]]))
-  x = crop(images, offsets, crop_size=crop_size).astype(jnp.float32) / 255.0
-  delta = jax.random.uniform(brightness_key, (b, 1, 1, 1),
-                             minval=-max_brightness_delta,
-                             maxval=max_brightness_delta)
-  x = x + delta
-  factor = jax.random.uniform(contrast_key, (b, 1, 1, 1),
-                              minval=contrast_range[0],
-                              maxval=contrast_range[1])
-  channel_mean = jnp.mean(x, axis=(1, 2), keepdims=True)
-  x = (x - channel_mean) * factor + channel_mean
-  return standardize(x)
+  draws = smallnorb_train_draws(key, b, h, w, crop_size=crop_size,
+                                max_brightness_delta=max_brightness_delta,
+                                contrast_range=contrast_range)
+  return smallnorb_distort(images, *draws, crop_size=crop_size, order=order,
+                           pixel_max=pixel_max)
 
 
 def smallnorb_eval_preprocess(images: ArrayLike, *,
-                              crop_size: int = CROP_SIZE) -> jax.Array:
+                              crop_size: int = CROP_SIZE,
+                              pixel_max: float = 1.0) -> jax.Array:
   """Centre crop (top-left ``((H - crop_size) // 2, ..)``) then ``standardize``.
+
+  The released code's test crop too (tf.image.resize_image_with_crop_or_pad).
+  ``pixel_max``: the pixel range standardised, as ``smallnorb_distort``.
 
   Args:
     images: uint8 ``[B, H, W, C]``.
@@ -461,22 +575,53 @@ def smallnorb_eval_preprocess(images: ArrayLike, *,
   images = jnp.asarray(images)
   _check_crop(images, crop_size)
   x = center_crop(images, crop_size)
-  return standardize(x.astype(jnp.float32) / 255.0)
+  return standardize(_to_pixel_range(x, pixel_max))
+
+
+def _glimpse_corner(offset: int, size: int, glimpse: int) -> int:
+  """The first row (or column) TF1's ExtractGlimpse takes for a centred,
+  unnormalised ``offset`` of the glimpse's centre: it halves the offset, adds
+  half the image, removes half the glimpse and truncates toward zero (the
+  op's own arithmetic; ``tf.compat.v1.image.extract_glimpse`` keeps it)."""
+  return math.trunc(offset / 2 + size / 2 - glimpse / 2)
 
 
 def multicrop_offsets(height: int, width: int, num_crops: int = 13, *,
-                      crop_size: int = CROP_SIZE) -> tuple[tuple[int, int], ...]:
+                      crop_size: int = CROP_SIZE, pattern: str = 'grid'
+                      ) -> tuple[tuple[int, int], ...]:
   """Top-left corners of the test-time crops, the centre first.
 
-  With ``m = H - crop_size`` (16 for 48x48 images) the 13 corners are, in
-  order: the centre (m/2, m/2); the 4 corners (0, 0), (0, m), (m, 0), (m, m);
-  the 4 edge midpoints (0, m/2), (m/2, 0), (m/2, m), (m, m/2); the 4 inner
-  points (m/4, m/4), (m/4, 3m/4), (3m/4, m/4), (3m/4, 3m/4) (fractions
-  rounded down). ``num_crops < 13`` takes the first ``num_crops``.
+  ``pattern='grid'`` (capsjax): with ``m = H - crop_size`` (16 for 48x48
+  images) the 13 corners are, in order: the centre (m/2, m/2); the 4 corners
+  (0, 0), (0, m), (m, 0), (m, m); the 4 edge midpoints (0, m/2), (m/2, 0),
+  (m/2, m), (m, m/2); the 4 inner points (m/4, m/4), (m/4, 3m/4),
+  (3m/4, m/4), (3m/4, 3m/4) (fractions rounded down).
+
+  ``pattern='released'`` (``norb_record.inputs`` with patching, the test of
+  ``experiment.eval_once`` that run.sh runs): the centre crop, then
+  ``tf.image.extract_glimpse(centered=True, normalized=False)`` at glimpse
+  centres k (dy, dx) for k = 1, 2, 3 and (dy, dx) in (1, 1), (1, -1),
+  (-1, 1), (-1, -1). The op halves those offsets (``_glimpse_corner``), so
+  on 48x48 the corners are (8, 8), then (8, 8), (8, 7), (7, 8), (7, 7);
+  (9, 9), (9, 7), (7, 9), (7, 7); (9, 9), (9, 6), (6, 9), (6, 6): shifts of
+  at most 2 pixels, with repeats (the centre, (7, 7) and (9, 9) twice
+  each), all kept.
+
+  ``num_crops < 13`` takes the first ``num_crops``.
   """
   if not 1 <= num_crops <= 13:
     raise ValueError(f'num_crops must be in [1, 13], got {num_crops}')
+  if pattern not in MULTICROP_PATTERNS:
+    raise ValueError(f'pattern must be one of {MULTICROP_PATTERNS}, got '
+                     f'{pattern!r}')
   my, mx = height - crop_size, width - crop_size
+  if pattern == 'released':
+    corners = [(my // 2, mx // 2)]
+    for k in (1, 2, 3):
+      for sy, sx in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+        corners.append((_glimpse_corner(k * sy, height, crop_size),
+                        _glimpse_corner(k * sx, width, crop_size)))
+    return tuple(corners[:num_crops])
   fractions = ((2, 2), (0, 0), (0, 4), (4, 0), (4, 4), (0, 2), (2, 0),
                (2, 4), (4, 2), (1, 1), (1, 3), (3, 1), (3, 3))
   return tuple((fy * my // 4, fx * mx // 4)
@@ -484,19 +629,45 @@ def multicrop_offsets(height: int, width: int, num_crops: int = 13, *,
 
 
 def smallnorb_multicrop(images: ArrayLike, num_crops: int = 13, *,
-                        crop_size: int = CROP_SIZE) -> jax.Array:
+                        crop_size: int = CROP_SIZE, pattern: str = 'grid',
+                        pixel_max: float = 1.0) -> jax.Array:
   """Standardised test-time crops (``multicrop_offsets``) for averaging.
 
   Args:
     images: uint8 ``[B, H, W, C]``.
+    pattern: 'grid' or 'released' (see ``multicrop_offsets``).
+    pixel_max: the pixel range standardised, as ``smallnorb_distort``.
   Returns:
     float32 ``[num_crops, B, crop_size, crop_size, C]``; entry 0 equals
-    ``smallnorb_eval_preprocess(images)``.
+    ``smallnorb_eval_preprocess(images, pixel_max=pixel_max)``.
   """
   images = jnp.asarray(images)
   _check_crop(images, crop_size)
-  x = images.astype(jnp.float32) / 255.0
+  x = _to_pixel_range(images, pixel_max)
   offsets = multicrop_offsets(images.shape[1], images.shape[2], num_crops,
-                              crop_size=crop_size)
+                              crop_size=crop_size, pattern=pattern)
   return jnp.stack([standardize(x[:, top:top + crop_size, left:left + crop_size])
                     for top, left in offsets])
+
+
+def combine_crop_activations(activations: ArrayLike) -> jax.Array:
+  """Class scores of several crops of each image: sum_n a_n / sum_k a_nk.
+
+  ``experiment.eval_once`` of the released code: each crop's class
+  activations are divided by their sum over the classes, then summed over
+  the crops; the argmax is the prediction. A crop whose activations are all
+  0 adds nothing (the released code would give NaN).
+
+  Args:
+    activations: ``[N, B, K]`` non-negative class activations of N crops.
+  Returns:
+    ``[B, K]``.
+  """
+  a = _at_least_float32(activations)
+  total = jnp.sum(a, axis=-1, keepdims=True)
+  return jnp.sum(a / jnp.maximum(total, jnp.finfo(a.dtype).tiny), axis=0)
+
+
+def _at_least_float32(x: ArrayLike) -> jax.Array:
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))

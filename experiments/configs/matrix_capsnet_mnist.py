@@ -7,7 +7,8 @@ Variants: smoke (a small model, A=32, B=4, C=D=8, two EM iterations, on the
 central 24x24; the CI test's), fashion
 (Fashion-MNIST), small (A=64, B=8, C=D=16, the 68K model), paper (the
 paper's routing options instead of capsjax's; see em_defaults), authors
-(the released code's routing options; see authors_routing).
+(the released code's routing options and training protocol; see
+authors_routing and authors_protocol).
 """
 
 from experiments.configs import common
@@ -30,6 +31,16 @@ def em_defaults(config):
   # sigmoid(2).
   config.margin_steps = config.get_ref('num_train_steps') // 6
   config.weight_decay = 2e-7
+  # How the spread loss reduces over the classes (losses.spread_loss):
+  # 'sum' (the paper's eq. 3) or 'mean' (the released code's mean over the
+  # classes: the sum / K, 1/10 on MNIST, 1/5 on smallNORB).
+  config.spread_class_reduction = 'sum'
+  # The L2 penalty times weight_decay (em.l2_penalty): 'sum' of the squared
+  # weights, or 'half' of it (the released code's tf.nn.l2_loss).
+  config.l2_form = 'sum'
+  # > 0: clip each gradient element to [-grad_clip, grad_clip] before Adam
+  # (the released code: 200); 0: no clipping.
+  config.grad_clip = 0.0
   config.stereo = True
   config.viewpoint_split = ''
   config.model_options.coordinate_addition = True
@@ -40,6 +51,10 @@ def em_defaults(config):
   # 'authors' on the smoke model: 95.98% mean validation accuracy over 2
   # seeds against 95.69% (results/em_mnist_trials/session9).
   config.model_options.coordinate_form = 'authors'
+  # The released code's routing, primary capsules and coordinate order
+  # (authors_routing sets them; models.MatrixCapsNet documents them).
+  config.model_options.released_routing = False
+  config.model_options.primary_form = 'paper'
   # The conv-capsule E-step: False normalises each child's assignments
   # within each K x K window (the paper's procedure, window by window);
   # True across every parent that receives its votes (the released code).
@@ -83,16 +98,19 @@ def paper_routing(config):
 
 
 def authors_routing(config):
-  """The released code's routing options (google-research capsule_em).
+  """The released code's model and routing (google-research capsule_em).
 
-  The paper's 3 iterations and lambda schedule, plus: its activation logit
-  lambda (-mass (sum_h log var_h + 16 beta_u (log 2 pi + 1)) - 5000 beta_a),
-  final lambda / 4 in the class layer, mu = 0.9 new + 0.1 old, the variance
-  floor 0.0005, its initialisation (std 0.3 / 0.01, beta 0.5 / 1.0, 2.0) and
-  each child's E-step normalised over every parent that receives its votes.
-  On the smoke model it learns slowly: 66.46% / 49.22% validation after
-  3,000 steps (two seeds), 87.90% / 77.76% with init='paper'
-  (results/em_mnist_trials/session10).
+  The paper's 3 iterations and lambda schedule, plus (each a model option;
+  ``routing.RELEASED_EM`` and ``models.MatrixCapsNet`` document them): its
+  activation logit lambda (-mass (sum_h log var_h + 16 beta_u (log 2 pi +
+  1)) - 5000 beta_a), final lambda / 4 in the class layer, mu = 0.9 new +
+  0.1 old, the variance floor 0.0005, the mass padded by 1e-5 (class) /
+  1e-7 (conv) and used in the mean, variance and logit, its conv E-step
+  normaliser (each (child, parent type) over the windows covering the
+  child, windows indexed as if the stride were 1), the primary activations
+  sigmoid(logit - 1) without biases, the coordinates with the column on
+  vote entry 0, and its TF truncated-normal initialisation (std 0.3 / 0.01,
+  beta 0.5 / 1.0, 2.0, Conv1 0.05 with bias 0.1).
   """
   paper_routing(config)
   config.model_options.class_lambda_scale = 0.25
@@ -100,7 +118,31 @@ def authors_routing(config):
   config.model_options.center_momentum = 0.1
   config.model_options.variance_epsilon = 5e-4
   config.model_options.init = 'authors'
-  config.model_options.normalize_across_positions = True
+  config.model_options.normalize_across_positions = False
+  config.model_options.released_routing = True
+  config.model_options.primary_form = 'released'
+  config.model_options.coordinate_form = 'released'
+  return config
+
+
+def authors_protocol(config):
+  """The released code's training protocol (top-level keys only).
+
+  Its flags' defaults and losses (experiment.py, model.py, layers.py,
+  utils.py): Adam's learning rate 0.01 (decayed 0.96 per 20,000 steps, as
+  em_defaults), every gradient element clipped to +-200, the margin
+  0.2 + 0.79 sigmoid(min(10, step / 50,000 - 4)) on its own 50,000-step
+  scale (0.24 at step 50,000, 0.9 near step 300,000), the spread loss
+  averaged over the classes and the L2 penalty as tf.nn.l2_loss (half the
+  sum of squares), weight 2e-7 on the same weights. Its max_steps is
+  2,000,000 (set by the smallNORB config, not here).
+  """
+  config.learning_rate = 1e-2
+  config.grad_clip = 200.0
+  config.margin_schedule = 'authors'
+  config.margin_steps = 50_000
+  config.spread_class_reduction = 'mean'
+  config.l2_form = 'half'
   return config
 
 
@@ -163,6 +205,7 @@ def get_config(variant: str = ''):
       paper_routing(config)
     elif part == 'authors':
       authors_routing(config)
+      authors_protocol(config)
     elif part == 'fashion':
       config.dataset = 'fashion_mnist'
       config.shorter_run = common.smoke_run('matrix_capsnet_mnist.py:smoke,'
