@@ -1,6 +1,15 @@
-"""capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing)."""
+"""capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing).
 
-from capsjax import cpu_convolutions
+One process-wide setting: ``import capsjax`` adds
+``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`` to
+``XLA_FLAGS`` when JAX has not started its backend yet, so that XLA:CPU runs
+its Eigen convolutions rather than YNNPACK's (3-5x slower to train here;
+``capsjax.conv.dispatch``). ``CAPSJAX_YNN_CONVOLUTIONS=1`` in the
+environment, or YNNPACK fusion types already named in ``XLA_FLAGS``, leave
+``XLA_FLAGS`` alone (tests/test_cpu_convolutions.py).
+"""
+
+from capsjax.conv import dispatch
 from capsjax.losses import cross_entropy_loss
 from capsjax.losses import margin_loss
 from capsjax.losses import reconstruction_loss
@@ -23,7 +32,7 @@ __version__ = '0.1.0'
 
 # Before JAX starts its backend, which reads XLA_FLAGS once: XLA:CPU's
 # YNNPACK convolutions train 3-5x slower than its Eigen ones (BENCHMARKS.md).
-cpu_convolutions.prefer_eigen_convolutions()
+dispatch.prefer_eigen_convolutions()
 
 __all__ = (
     'conv_capsule_patches',

@@ -12,6 +12,10 @@ WORKDIR/accuracy_vs_epsilon.png. The :smoke config trains tiny models itself
 and needs no --models. Keys (epsilons, attacks, bim_step_size, bim_steps,
 loss, num_examples, ...): see the config file's docstring; override them
 with --config.KEY=VALUE.
+
+It holds WORKDIR as a training run does, and reads each --models workdir
+under a shared hold: a model whose training still runs is refused, in one
+line naming that run.
 """
 
 import json

@@ -12,6 +12,9 @@ test images of the dataset it was trained on, then writes (the
                        decoded with each of its dimensions offset by -0.25 ..
                        0.25 in steps of 0.05 (Sabour et al. Fig. 4)
 into --output_dir (default WORKDIR/figures) and prints their paths.
+
+Writing into WORKDIR, it holds the workdir as a training run does: it
+stops with one line naming the process that holds it, if any.
 """
 
 from absl import app
@@ -42,6 +45,12 @@ _WHICH = flags.DEFINE_enum(
 
 
 def make_figures() -> None:
+  with launcher.hold_for_output(_WORKDIR.value, _OUTPUT_DIR.value,
+                                'experiments.capsnet_figures'):
+    _make_figures()
+
+
+def _make_figures() -> None:
   context = training.load_context(_WORKDIR.value, _WHICH.value,
                                   _DATA_DIR.value)
   paths = evaluators.get('reconstructions').evaluate(

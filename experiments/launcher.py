@@ -3,9 +3,12 @@
 Experiments stay thin: flags -> config -> ``train_and_evaluate`` -> report.
 Errors a user can fix (missing or corrupt data, bad config values, an
 unwritable workdir, a diverged run) are printed as one clear message and exit
-with status 2; set CAPSJAX_TRACEBACK=1 to see the full traceback.
+with status 2; set CAPSJAX_TRACEBACK=1 to see the full traceback. A
+workdir that another process holds (``checkpoints.hold_workdir``) is such an
+error, naming that process.
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -38,9 +41,9 @@ def run_command(argv: list[str], body: Callable[[], None],
     logging.set_verbosity(logging.WARNING)
   from capsjax.training import host_memory  # imports jax: after the flags
   logging.info('host memory: %s', host_memory.retain_freed_memory())
-  from capsjax import cpu_convolutions
+  from capsjax.conv import dispatch
   logging.info('CPU convolutions: %s',
-               cpu_convolutions.prefer_eigen_convolutions())
+               dispatch.prefer_eigen_convolutions())
   from capsjax.training import loop
   try:
     body()
@@ -154,6 +157,28 @@ def config_description(config, config_file: str) -> str:
   return '\n'.join(lines)
 
 
+def hold_for_output(workdir: str, output_dir: str | None, purpose: str
+                    ) -> contextlib.AbstractContextManager:
+  """What a command that reads a trained ``workdir`` and writes into
+  ``output_dir`` (None: WORKDIR/figures) holds: the workdir, exclusively,
+  when it writes there (so not during a training run, nor beside another
+  such command); otherwise nothing beyond the shared hold of loading it."""
+  from capsjax.training import checkpoints  # imports jax: after the flags
+  workdir = os.path.realpath(workdir)
+  target = os.path.realpath(output_dir or os.path.join(workdir, 'figures'))
+  if not os.path.isdir(workdir) or (
+      os.path.commonpath([workdir, target]) != workdir):
+    # (A missing workdir is not created: loading it says what is wrong.)
+    return contextlib.nullcontext()
+  return checkpoints.hold_workdir(workdir, purpose)
+
+
+def command_name() -> str:
+  """This experiment as the lock file names it to a second process."""
+  name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+  return f'experiments.{name}' if name and name != '-c' else 'a capsjax run'
+
+
 def run(train_and_evaluate: Callable, default_config: str, *,
         workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
         'and summary.json; rerun with the same one to resume.') -> None:
@@ -191,13 +216,20 @@ def run(train_and_evaluate: Callable, default_config: str, *,
                              'same one to resume).'))
 
     def body():
+      import jax  # after the flags
+
+      from capsjax.training import checkpoints
       if distributed['distributed'].value:
-        from capsjax.training import sharding  # imports jax: after flags
+        from capsjax.training import sharding
         sharding.initialize_distributed(
             distributed['coordinator_address'].value,
             distributed['num_processes'].value,
             distributed['process_id'].value)
-      train_and_evaluate(config.value, workdir.value)
+      # Held before the data is read: a second launch on a busy workdir
+      # stops at once, naming the run that holds it.
+      with checkpoints.hold_workdir(workdir.value, command_name(),
+                                    process_index=jax.process_index()):
+        train_and_evaluate(config.value, workdir.value)
 
     run_command(argv, body)
 

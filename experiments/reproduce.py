@@ -491,13 +491,28 @@ def run_suite(workdir: str, suite: str, *, only: list[str] = (),
               max_seconds: float = 0.0, options: Options | None = None,
               readme: str = '', benchmarks: str = '',
               log: Callable[[str], None] = print) -> int:
-  """Run (or continue) the suite in ``workdir``; the exit status."""
-  from capsjax.training import metrics
+  """Run (or continue) the suite in ``workdir``; the exit status.
+
+  The suite holds ``workdir`` (``checkpoints.hold_workdir``; no JAX backend
+  is started for it): a second suite on it stops at once, naming this one.
+  Each experiment holds its own WORKDIR/<name>.
+  """
+  from capsjax.training import checkpoints
   options = options or Options()
   by_name = {e.name: e for e in suite_experiments(suite)}
   experiments = select(list(by_name.values()), list(only))
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  with checkpoints.hold_workdir(workdir, 'experiments.reproduce'):
+    return _run_suite(workdir, suite, by_name, experiments, max_seconds,
+                      options, readme, benchmarks, log)
+
+
+def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
+               experiments: list[Experiment], max_seconds: float,
+               options: Options, readme: str, benchmarks: str,
+               log: Callable[[str], None]) -> int:
+  """``run_suite`` in a workdir this process holds."""
+  from capsjax.training import metrics
   state_path = os.path.join(workdir, 'reproduction.json')
   state = _load_state(state_path, suite)
   start = time.monotonic()

@@ -9,6 +9,9 @@ R_ij: for each class a heatmap over the ConvCaps2 grid, each capsule
 weighted by its activation. The picture goes to --output_dir (default
 WORKDIR/figures)/routing.png, whose path is printed (the ``routing_picture``
 evaluator).
+
+Writing into WORKDIR, it holds the workdir as a training run does: it
+stops with one line naming the process that holds it, if any.
 """
 
 from absl import app
@@ -36,6 +39,12 @@ _WHICH = flags.DEFINE_enum(
 
 
 def draw_routing() -> None:
+  with launcher.hold_for_output(_WORKDIR.value, _OUTPUT_DIR.value,
+                                'experiments.routing_pictures'):
+    _draw_routing()
+
+
+def _draw_routing() -> None:
   context = training.load_context(_WORKDIR.value, _WHICH.value,
                                   _DATA_DIR.value)
   picture = evaluators.get('routing_picture').evaluate(

@@ -1,4 +1,4 @@
-"""capsjax.cpu_convolutions: XLA:CPU's Eigen convolutions instead of
+"""capsjax.conv.dispatch: XLA:CPU's Eigen convolutions instead of
 YNNPACK's, and conv2d's CPU lowering that follows from it.
 
 The flag is read once per process, so each case is a fresh interpreter;
@@ -15,14 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from capsjax import cpu_convolutions
-from capsjax import layers
+from capsjax.conv import dispatch
+from capsjax.conv import lowerings
+from capsjax.conv import onednn
 from tests.conftest import REPO
 
 _PROBE = r'''
 import json, os
 import capsjax
-from capsjax import cpu_convolutions as c
+from capsjax.conv import dispatch as c
 print(json.dumps({
     'status': c.prefer_eigen_convolutions(),
     'xla_flags': os.environ.get('XLA_FLAGS', ''),
@@ -42,7 +43,7 @@ print(json.dumps({
     'primary_narrow': c.cpu_conv_impl(8, 2, 20 * 20, 6 * 6),
     'strided': c.cpu_conv_impl(3, 3, 12 * 12, 4 * 4),
     'strided_narrow': c.cpu_conv_impl(3, 2, 12 * 12, 5 * 5),
-    # Where oneDNN computes the convolution (capsjax.onednn).
+    # Where oneDNN computes the convolution (capsjax.conv.onednn).
     'onednn': [c.cpu_conv_impl(*args, onednn=True) for args in (
         (64, 1, 26 * 26, 24 * 24), (64, 1, 12 * 12, 10 * 10),
         (1, 1, 28 * 28, 20 * 20), (256, 1, 32 * 32, 28 * 28),
@@ -62,7 +63,7 @@ def _probe(**env):
 
 
 needs_the_flag = pytest.mark.skipif(
-    not cpu_convolutions._jaxlib_knows_flag(),  # pylint: disable=protected-access
+    not dispatch._jaxlib_knows_flag(),  # pylint: disable=protected-access
     reason='this jaxlib has no YNNPACK fusion flag')
 
 
@@ -73,7 +74,7 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   # The caller's own flags are kept beside it.
   assert result['xla_flags'].split() == [
       '--xla_force_host_platform_device_count=2',
-      cpu_convolutions.NO_YNN_CONVOLUTIONS]
+      dispatch.NO_YNN_CONVOLUTIONS]
   assert result['devices'] == 2
   assert result['ynn'] is False  # the compiler obeyed
   assert result['wide'] == 'space_to_depth'
@@ -128,10 +129,10 @@ def test_conv2d_default_equals_direct_in_values_and_gradients(
     height, channels, kernel_size, stride, use_onednn, monkeypatch):
   # Both defaults: XLA's lowerings (the comments above) and, where it is
   # installed, oneDNN's.
-  if use_onednn and not layers.onednn.available():
-    pytest.skip(f'oneDNN is {layers.onednn.status()}')
+  if use_onednn and not onednn.available():
+    pytest.skip(f'oneDNN is {onednn.status()}')
   if not use_onednn:
-    monkeypatch.setattr(layers.onednn, 'available', lambda: False)
+    monkeypatch.setattr(onednn, 'available', lambda: False)
   rng = np.random.default_rng(0)
   x = rng.standard_normal((2, height, height + 1, channels)).astype(np.float32)
   kernel = (0.1 * rng.standard_normal(
@@ -141,7 +142,7 @@ def test_conv2d_default_equals_direct_in_values_and_gradients(
   cotangent = rng.standard_normal(out_shape).astype(np.float32)
 
   def run(impl):
-    out, vjp = jax.vjp(lambda x, k: layers.conv2d(x, k, stride, impl=impl),
+    out, vjp = jax.vjp(lambda x, k: lowerings.conv2d(x, k, stride, impl=impl),
                        x, kernel)
     return (out, *vjp(cotangent))
 

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from capsjax import layers
-from capsjax import onednn
 from capsjax import routing
+from capsjax.conv import lowerings
+from capsjax.conv import onednn
 
 
 def _direct_conv(x, kernel, stride, padding='VALID'):
@@ -97,7 +98,7 @@ def test_cpu_convs_equal_direct_in_values_and_gradients(
                (width - kernel_size) // stride + 1, 4)
   cotangent = _random(2, out_shape)
   out = _assert_equals_direct(
-      lambda x, k: layers.conv2d(x, k, stride, impl=impl),
+      lambda x, k: lowerings.conv2d(x, k, stride, impl=impl),
       lambda x, k: _direct_conv(x, k, stride), x, kernel, cotangent)
   chex.assert_shape(out, out_shape)
 
@@ -108,7 +109,7 @@ def test_unfused_is_the_identity():
   x = _random(0, (2, 3, 4))
   for key in ([1.0], [np.nan, 1.0], []):  # an empty key: an empty batch
     np.testing.assert_array_equal(
-        jax.jit(layers._unfused)(x, jnp.asarray(key, jnp.float32)), x)  # pylint: disable=protected-access
+        jax.jit(lowerings._unfused)(x, jnp.asarray(key, jnp.float32)), x)  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize('impl,stride', [('space_to_depth', 1),
@@ -117,7 +118,7 @@ def test_conv2d_gradients_of_an_empty_batch(impl, stride):
   """The fusion boundary of the kernel gradient is keyed on an array that
   may be empty; the gradients then are those of XLA's convolution."""
   x, kernel = jnp.zeros((0, 8, 8, 4)), _random(1, (3, 3, 4, 2))
-  grads = jax.grad(lambda x, k: layers.conv2d(x, k, stride, impl=impl).sum(),
+  grads = jax.grad(lambda x, k: lowerings.conv2d(x, k, stride, impl=impl).sum(),
                    argnums=(0, 1))(x, kernel)
   chex.assert_shape(grads, [(0, 8, 8, 4), (3, 3, 4, 2)])
   np.testing.assert_array_equal(grads[1], 0.0)
@@ -129,7 +130,7 @@ def test_patches_conv_is_the_convolution_sum():
   x = np.asarray(_random(0, (2, 6, 7, 3)), np.float64)
   kernel = np.asarray(_random(1, (3, 2, 3, 5)), np.float64)
   ref, _, _ = _conv_reference(x, kernel, np.zeros((2, 4, 6, 5)))
-  out = layers.patches_conv(x.astype(np.float32), kernel.astype(np.float32))
+  out = lowerings.patches_conv(x.astype(np.float32), kernel.astype(np.float32))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -142,7 +143,7 @@ def test_narrow_conv_kernel_gradient_is_the_correlation_sum():
   cotangent = np.asarray(_random(2, (3, 5, 3, 4)), np.float64)
   kernel = jnp.zeros((3, 4, 2, 4), jnp.float32)
   _, _, ref = _conv_reference(x, kernel, cotangent)
-  _, vjp = jax.vjp(layers.narrow_conv, x.astype(np.float32), kernel)
+  _, vjp = jax.vjp(lowerings.narrow_conv, x.astype(np.float32), kernel)
   np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[1], ref,
                              rtol=1e-5, atol=1e-5)
 
@@ -165,13 +166,13 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
   _, ref, _ = _conv_reference(np.zeros((2, height, width, 3)), kernel,
                               cotangent, stride)
   x = jnp.zeros((2, height, width, 3), jnp.float32)
-  _, vjp = jax.vjp(lambda x: layers.taps_conv(x, kernel.astype(np.float32),
+  _, vjp = jax.vjp(lambda x: lowerings.taps_conv(x, kernel.astype(np.float32),
                                               stride), x)
   np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[0], ref,
                              rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('impl', layers.CONV_IMPLS)
+@pytest.mark.parametrize('impl', lowerings.CONV_IMPLS)
 @pytest.mark.parametrize('padding', ['VALID', 'SAME'])
 @pytest.mark.parametrize('stride', [1, 2])
 def test_conv2d_impls_and_padding(impl, padding, stride):
@@ -180,10 +181,10 @@ def test_conv2d_impls_and_padding(impl, padding, stride):
   cotangent = _random(2, _direct_conv(x, kernel, stride, padding).shape)
   if impl.startswith('onednn') and not onednn.available():
     with pytest.raises(ValueError, match=f"conv_impl='{impl}': oneDNN is"):
-      layers.conv2d(x, kernel, stride, padding, impl)
+      lowerings.conv2d(x, kernel, stride, padding, impl)
     return
   _assert_equals_direct(
-      lambda x, k: layers.conv2d(x, k, stride, padding, impl),
+      lambda x, k: lowerings.conv2d(x, k, stride, padding, impl),
       lambda x, k: _direct_conv(x, k, stride, padding), x, kernel, cotangent)
 
 
@@ -219,17 +220,17 @@ def test_average_pool_2x2_is_keras_average_pooling(height, width):
 def test_conv2d_rejects_bad_arguments():
   x, kernel = jnp.zeros((1, 8, 8, 3)), jnp.zeros((3, 3, 3, 2))
   with pytest.raises(ValueError, match='conv_impl'):
-    layers.conv2d(x, kernel, 2, impl='fft')
+    lowerings.conv2d(x, kernel, 2, impl='fft')
   with pytest.raises(ValueError, match='padding'):
-    layers.conv2d(x, kernel, 2, padding='FULL')
+    lowerings.conv2d(x, kernel, 2, padding='FULL')
   with pytest.raises(ValueError, match='kernel'):
-    layers.conv2d(x, jnp.zeros((3, 3, 2, 2)), 2)
+    lowerings.conv2d(x, jnp.zeros((3, 3, 2, 2)), 2)
   with pytest.raises(ValueError, match='larger than the input'):
-    layers.space_to_depth_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
+    lowerings.space_to_depth_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
   with pytest.raises(ValueError, match='larger than the input'):
-    layers.patches_conv(x, jnp.zeros((9, 9, 3, 2)))
+    lowerings.patches_conv(x, jnp.zeros((9, 9, 3, 2)))
   with pytest.raises(ValueError, match='larger than the input'):
-    layers.taps_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
+    lowerings.taps_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
   with pytest.raises(ValueError, match='conv_impl'):
     layers.Conv2D(3, 4, 3, 2, conv_impl='fft', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='positive'):

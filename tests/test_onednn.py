@@ -1,4 +1,4 @@
-"""oneDNN's convolutions through XLA FFI (capsjax.onednn, the `onednn` extra).
+"""oneDNN's convolutions through XLA FFI (capsjax.conv.onednn, the `onednn` extra).
 
 Skipped only where the extra's wheels are not installed or the user turned
 the path off (CAPSJAX_ONEDNN=0); otherwise the handlers must build and load
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capsjax import layers
-from capsjax import onednn
+from capsjax.conv import lowerings
+from capsjax.conv import onednn
 from tests.conftest import REPO
 from tests.test_layers import _assert_equals_direct
 from tests.test_layers import _conv_reference
@@ -105,7 +105,7 @@ def test_default_cpu_conv_is_onednn_and_equals_direct(
     shape, kernel_shape, stride, padding, targets):
   x = _random(0, shape)
   kernel = _random(1, kernel_shape, 0.1)
-  conv = lambda x, k: layers.conv2d(x, k, stride, padding)
+  conv = lambda x, k: lowerings.conv2d(x, k, stride, padding)
   direct = lambda x, k: _direct_conv(x, k, stride, padding)
   cotangent = _random(2, jax.eval_shape(direct, x, kernel).shape)
   hlo = jax.jit(_output_and_grads, static_argnums=0).lower(
@@ -124,11 +124,11 @@ def test_conv2d_keeps_other_lowerings_where_onednn_does_not_apply(case, impl):
   x = jnp.zeros((0 if case == 'empty' else 2, 8, 8, 16),
                 jnp.bfloat16 if case == 'bfloat16' else jnp.float32)
   kernel = jnp.zeros((3, 3, 16, 4), x.dtype)
-  assert 'Onednn' not in jax.jit(layers.conv2d).lower(x, kernel).as_text()
-  assert layers.conv2d(x, kernel).shape == jax.eval_shape(
+  assert 'Onednn' not in jax.jit(lowerings.conv2d).lower(x, kernel).as_text()
+  assert lowerings.conv2d(x, kernel).shape == jax.eval_shape(
       lambda x, k: _direct_conv(x, k, 1), x, kernel).shape
   with pytest.raises(ValueError, match=f"conv_impl='{impl}' takes float32"):
-    layers.conv2d(x, kernel, impl=impl)
+    lowerings.conv2d(x, kernel, impl=impl)
 
 
 def test_degenerate_inputs_give_finite_values_and_gradients():
@@ -147,11 +147,11 @@ def test_degenerate_inputs_give_finite_values_and_gradients():
 def test_vmap_and_a_train_step_of_a_conv_layer():
   x = _random(0, (3, 2, 6, 6, 16))
   kernel = _random(1, (3, 3, 16, 4), 0.1)
-  batched = jax.vmap(lambda x: layers.conv2d(x, kernel))(x)
+  batched = jax.vmap(lambda x: lowerings.conv2d(x, kernel))(x)
   np.testing.assert_allclose(
       batched, jax.vmap(lambda x: _direct_conv(x, kernel, 1))(x), rtol=1e-5,
       atol=1e-5)
-  loss = lambda k: jnp.sum(jnp.tanh(layers.conv2d(x[0], k)))
+  loss = lambda k: jnp.sum(jnp.tanh(lowerings.conv2d(x[0], k)))
   np.testing.assert_allclose(
       jax.grad(loss)(kernel),
       jax.grad(lambda k: jnp.sum(jnp.tanh(_direct_conv(x[0], k, 1))))(kernel),
@@ -160,9 +160,9 @@ def test_vmap_and_a_train_step_of_a_conv_layer():
 
 def test_turned_off_by_the_environment():
   code = ('import json, jax, jax.numpy as jnp\n'
-          'from capsjax import layers, onednn\n'
+          'from capsjax.conv import lowerings, onednn\n'
           'x = jnp.zeros((2, 8, 8, 16)); k = jnp.zeros((3, 3, 16, 4))\n'
-          'hlo = jax.jit(layers.conv2d).lower(x, k).as_text()\n'
+          'hlo = jax.jit(lowerings.conv2d).lower(x, k).as_text()\n'
           'print(json.dumps([onednn.available(), onednn.status(), '
           "'Onednn' in hlo]))\n")
   env = dict(os.environ, CAPSJAX_ONEDNN='0', JAX_PLATFORMS='cpu')

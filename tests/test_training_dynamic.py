@@ -404,22 +404,25 @@ def test_a_long_run_says_how_long_and_what_is_shorter(monkeypatch):
   clock = [100.0]
   monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock[0])
   estimate.start(1)
-  clock[0] += 5.0
-  assert estimate.line(11) is None  # measured for too short a time
-  clock[0] += 15.0  # 20 s for 20 steps of batch 128: 128 img/s
-  line = estimate.line(21)
-  remaining_h = (config.num_train_steps - 21) * 1.0 / 3600
-  assert line.startswith(f'The remaining {config.num_train_steps - 21} steps '
+  clock[0] += 50.0  # the warm-up steps (5 s each) are not measured
+  assert estimate.line(11) is None
+  clock[0] += 20.0
+  assert estimate.line(31) is None  # measured for too short a time
+  clock[0] += 20.0  # 40 s for 40 steps of batch 128: 128 img/s
+  line = estimate.line(51)
+  remaining_h = (config.num_train_steps - 51) * 1.0 / 3600
+  assert line.startswith(f'The remaining {config.num_train_steps - 51} steps '
                          f'take about {remaining_h:.0f} h at 128 img/s on '), line
   assert 'a checkpoint every 10 min and at Ctrl-C' in line
   assert line.endswith('Shorter: --config=experiments/configs/capsnet_mnist.py'
-                       ':smoke trains a reduced CapsNet to about 98% in 2-3 '
-                       'minutes of training on a 2-core CPU.'), line
+                       ':smoke trains a reduced CapsNet to about 97.5% in '
+                       '1-2 minutes of training on a 2-core CPU.'), line
   assert estimate.line(40) is None  # said once
   short = loop._Estimate(capsnet_mnist.get_config('smoke'))
   short.start(1)
-  clock[0] += 20.0
-  assert short.line(300) is None  # 150 more steps: not long
+  assert short.line(11) is None
+  clock[0] += 40.0
+  assert short.line(300) is None  # 400 more steps: not long
 
 
 def test_rerun_with_another_config_is_checked_before_anything_is_written(

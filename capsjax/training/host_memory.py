@@ -24,7 +24,7 @@ import importlib.metadata
 import os
 import sys
 
-from capsjax import cpu_convolutions
+from capsjax.conv import dispatch
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -66,7 +66,7 @@ def retain_freed_memory() -> str:
   plugins = [] if cpu_first else _accelerator_plugins()
   if plugins:
     return f'not applied: accelerator plugins installed ({", ".join(plugins)})'
-  if cpu_convolutions.backend_started():
+  if dispatch.backend_started():
     return 'not applied: the JAX backend had already started'
   try:
     libc = ctypes.CDLL('libc.so.6')

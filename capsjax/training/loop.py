@@ -22,7 +22,9 @@ from flax import nnx
 from capsjax import data as data_lib
 from capsjax import evaluators
 from capsjax.training import metrics as metrics_lib
+from capsjax.training.checkpoints import CheckpointDamaged
 from capsjax.training.checkpoints import Checkpointer
+from capsjax.training.checkpoints import hold_workdir
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import BatchOrder
 from capsjax.training.sharding import all_agree
@@ -241,19 +243,28 @@ class _Estimate:
 
   # Say nothing when the remaining steps take less than this.
   LONG_S = 1800.0
-  # Measure at least this long (after compilation) before estimating.
-  MEASURE_S = 10.0
+  # Steps after compilation left out: the first ones run slower (the paper
+  # CapsNet's first ~10 steps page-fault in XLA's buffers; measured from
+  # them, its estimate said 46 img/s where the run went on at 60).
+  WARMUP_STEPS = 10
+  # Then measure at least this long before estimating.
+  MEASURE_S = 30.0
 
   def __init__(self, config: ml_collections.ConfigDict):
     self._config = config
     self._start_step, self._start_time, self._said = 0, None, False
 
   def start(self, step: int) -> None:
-    self._start_step, self._start_time = step, time.perf_counter()
+    """Compilation is done at ``step``; measure from WARMUP_STEPS later."""
+    self._start_step, self._start_time = step + self.WARMUP_STEPS, None
 
   def line(self, step: int) -> str | None:
-    """The estimate once, from the steps finished since ``start``."""
-    if self._said or self._start_time is None:
+    """The estimate once, from the steps finished since the warm-up."""
+    if self._said:
+      return None
+    if self._start_time is None:
+      if step >= self._start_step:
+        self._start_step, self._start_time = step, time.perf_counter()
       return None
     seconds = time.perf_counter() - self._start_time
     done = step - self._start_step
@@ -304,16 +315,22 @@ class _Run:
     self.state = jax.device_put(state, replicated(self.mesh))
     self.checkpoints = Checkpointer(os.path.join(workdir, 'checkpoints'))
     self.best = Checkpointer(os.path.join(workdir, 'best'), max_to_keep=1)
-    if self.checkpoints.latest_step() is not None:
-      self.state = self.checkpoints.restore(self.state)
-      self.say(f'Resuming from the checkpoint of step {int(self.state.step)} '
+    # The newest checkpoint that reads back as saved; damaged newer ones
+    # are said and set aside, so that this run saves those steps afresh.
+    self.resumed = self.checkpoints.restore_newest_good(self.state, self.say)
+    if self.resumed is not None:
+      self.state = self.resumed.state
+      self.say(f'Resuming from the checkpoint of step {self.resumed.step} '
                f'in {workdir}.')
     else:
       self.say(f'Starting fresh in {workdir}.')
     self.step = int(self.state.step)
+    self.selecting = config.get('select_on_validation', True)
     self.best_record_path = os.path.join(workdir, 'best_validation.json')
     self.best_record = (json.load(open(self.best_record_path))
                         if os.path.exists(self.best_record_path) else None)
+    # True when the best checkpoint was lost: the best is selected again.
+    self.reselect = self._drop_damaged_best()
     self.order = BatchOrder(len(dataset.train.labels), config.batch_size,
                             config.seed)
     self.data_key = jax.random.PRNGKey(config.seed + 2)
@@ -331,6 +348,28 @@ class _Run:
   def say(self, message: str) -> None:
     if self.chief:
       print(message, flush=True)
+
+  def _drop_damaged_best(self) -> bool:
+    """Checks the best checkpoint on resume. A damaged or missing one is
+    said, set aside and forgotten with its record, so that the best is
+    selected again (from the validations still to come, or the final
+    weights); never tested in its damaged state."""
+    if not (self.selecting and self.best_record is not None):
+      return False
+    problem = self.best.problem(self.state)
+    if not problem:
+      return False
+    steps = self.best.steps()
+    moved = self.best.set_aside(steps[:1])
+    aside = f'; moved to {moved[steps[0]]}' if moved else ''
+    self.say(f'Warning: the best checkpoint (step {self.best_record["step"]}'
+             f') in {self.best.directory} is damaged or missing ({problem})'
+             f'{aside}; the best is selected again from the validations '
+             f'still to come (the final weights if none is).')
+    if self.chief:
+      os.remove(self.best_record_path)
+    self.best_record = None
+    return True
 
   def header(self) -> str:
     d, c = self.dataset, self.config
@@ -363,13 +402,27 @@ class _Run:
 
   def raise_if_diverged(self) -> None:
     bad_step = int(self.state.nonfinite_step)
-    if bad_step >= 0:
+    if bad_step < 0:
+      return
+    resumed = self.resumed
+    if (resumed is not None and not resumed.verified and
+        self.checkpoints.latest_step() == resumed.step):
+      # Nothing saved since a resume from a checkpoint no digest could
+      # check: a damaged file there diverges the first steps.
+      path = os.path.join(self.checkpoints.directory, str(resumed.step))
       raise TrainingDiverged(
-          f'the loss or a gradient became non-finite at step {bad_step}; that '
-          f'update was not applied and the last good checkpoint (step '
-          f'{self.checkpoints.latest_step()}) is kept in '
-          f'{self.checkpoints.directory}. Lower the learning rate or check the '
-          f'input data.')
+          f'the loss or a gradient became non-finite at step {bad_step}, '
+          f'before any checkpoint since this run resumed from the one of '
+          f'step {resumed.step}, which has no digest to check it (saved by '
+          f'an older capsjax): that checkpoint is the likely cause (a '
+          f'damaged file), not the learning rate. Move {path} away and rerun '
+          f'to resume from an earlier one (or from the start).')
+    raise TrainingDiverged(
+        f'the loss or a gradient became non-finite at step {bad_step}; that '
+        f'update was not applied and the last good checkpoint (step '
+        f'{self.checkpoints.latest_step()}) is kept in '
+        f'{self.checkpoints.directory}. Lower the learning rate or check the '
+        f'input data.')
 
   def log(self, metrics, clock: _TrainClock, writer, progress) -> None:
     steps, seconds = clock.close_window()
@@ -394,11 +447,10 @@ class _Run:
     val = self.evaluate(self.dataset.validation, self.validation_images)
     if val:
       writer.write(self.step, {f'validation/{k}': v for k, v in val.items()})
-      selecting = self.config.get('select_on_validation', True)
-      if not selecting or self.best_record is None or (
+      if not self.selecting or self.best_record is None or (
           val['accuracy'] > self.best_record['accuracy']):
         self.best_record = {'step': self.step, **val}
-        if selecting:
+        if self.selecting:
           self.best.save(self.state)
         if self.chief:
           metrics_lib.write_json_atomic(self.best_record_path,
@@ -407,11 +459,29 @@ class _Run:
 
   def select_best(self) -> None:
     """Model selection on validation only (the latest state without it, or
-    with ``config.select_on_validation`` False: the last weights)."""
-    if not self.config.get('select_on_validation', True):
+    with ``config.select_on_validation`` False: the last weights). The best
+    checkpoint is verified first: a damaged one stops the run before the
+    test set is read."""
+    if not self.selecting or self.best_record is None:
       return
-    if self.best_record is not None and self.best.latest_step() is not None:
-      self.state = self.best.restore(self.state)
+    try:
+      steps = self.best.steps()
+      if not steps:
+        raise CheckpointDamaged(f'the best checkpoint (step '
+                                f'{self.best_record["step"]}) is missing from '
+                                f'{self.best.directory}')
+      restored = self.best.restore_checked(self.state, steps[0])
+    except CheckpointDamaged as e:
+      raise CheckpointDamaged(
+          f'{e}: the model selected on validation is not tested. Rerun the '
+          f'same command: it sets that checkpoint aside and selects the best '
+          f'again (the final weights when no validation is left).',
+          e.reason) from e
+    if not restored.verified:
+      self.say(f'Warning: the best checkpoint (step {restored.step}) has no '
+               f'digest (saved by an older capsjax); it is tested '
+               f'unverified.')
+    self.state = restored.state
 
   def eval_context(self) -> evaluators.Context:
     """The selected model for the config's evaluators."""
@@ -444,6 +514,15 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   evaluators.check(config)  # before any training: a bad option fails now
   workdir = os.path.abspath(workdir)
   _make_writable_dir(workdir)
+  # One writer per workdir (each process of a multi-process job its own
+  # lock file); held until the summary is written.
+  with hold_workdir(workdir, 'training', process_index=jax.process_index()):
+    return _fit(config, workdir, steps, dataset)
+
+
+def _fit(config: ml_collections.ConfigDict, workdir: str,
+         steps: FamilySteps, dataset: data_lib.Dataset) -> dict[str, Any]:
+  """``fit`` in a workdir this process holds."""
   run = _Run(config, workdir, steps, dataset)
   run.say(run.header())
   # The code that trains: taken now, as the tree may change during a run.
@@ -515,6 +594,10 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
         raise stopped
       if last:
         break
+    if run.reselect and run.best_record is None:
+      # The best was lost and no validation since picked another: the
+      # final weights, validated now, are the selected model.
+      run.validate(writer)
   clock.close_window()
 
   run.select_best()

@@ -1,5 +1,5 @@
 // An NHWC convolution (any stride, explicit zero padding) and both its
-// gradients as XLA FFI calls into oneDNN (capsjax/onednn.py builds and
+// gradients as XLA FFI calls into oneDNN (capsjax/conv/onednn.py builds and
 // loads this file).
 // x: [N, H, W, C] f32, kernel: [Kh, Kw, C, F] f32 (HWIO),
 // y: [N, H', W', F] with H' = (H + pad_top + pad_bottom - Kh) / stride + 1.

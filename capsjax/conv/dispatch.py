@@ -7,16 +7,16 @@ below the machine: Su's second 3x3 layer at batch 128, forward alone,
 (173 GFLOP/s, this CPU's measured matmul peak), and its train step
 (forward, input and kernel gradients) 520 ms against 160 ms
 (BENCHMARKS.md, the CPU convolution kernels, session 11). The slow
-"XLA:CPU convolution backward pass" that ``layers.patches_conv`` works
+"XLA:CPU convolution backward pass" that ``lowerings.patches_conv`` works
 around was mostly this.
 
 ``prefer_eigen_convolutions`` turns the YNNPACK convolution fusion off
 through XLA_FLAGS (``-individual_convolution``, which keeps YNNPACK's
 other fusions). XLA reads XLA_FLAGS once, when JAX starts its backend, so
 ``import capsjax`` calls it then; afterwards ``ynn_convolutions`` asks the
-compiler what it actually does, and ``layers.conv2d`` picks its CPU
+compiler what it actually does, and ``lowerings.conv2d`` picks its CPU
 lowering from the answer (``cpu_conv_impl``), or oneDNN's convolution
-where ``capsjax.onednn`` is installed: faster than any of XLA's.
+where ``capsjax.conv.onednn`` is installed: faster than any of XLA's.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def ynn_convolutions() -> bool:
 # product over patches is faster: the 9x9 1 -> 256 first layer of the paper
 # CapsNet at batch 64 trains in 83 ms as patches and 167 ms direct; at 64
 # channels and more direct wins (Su's 3x3 64 -> 64: 72 against 138 ms).
-# With the patches channel-major (layers.narrow_conv) that layer's forward
+# With the patches channel-major (lowerings.narrow_conv) that layer's forward
 # and gradients at batch 128 take 59-61 ms against 103-116 as patches.
 NARROW_BELOW_CHANNELS = 16
 # The input gradient of a direct convolution is a convolution over the
@@ -141,7 +141,7 @@ STRIDE1_TAPS_ABOVE_INPUT_RATIO = 1.4
 TAPS_MIN_CHANNELS = 64
 
 
-# oneDNN's convolutions (capsjax.onednn, where installed) beat XLA's
+# oneDNN's convolutions (capsjax.conv.onednn, where installed) beat XLA's
 # lowerings on the convolutions of the shipped models, forward and both
 # gradients at batch 64 and 128 (BENCHMARKS.md, session 16): 0.17-0.74 of
 # XLA's time on the images' narrow first layers, 0.40-0.41 on the smoke
@@ -160,7 +160,7 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     stride: its stride.
     in_positions: H * W of its (padded) input.
     out_positions: H' * W' of its output.
-    onednn: whether ``capsjax.onednn`` is available and computes this
+    onednn: whether ``capsjax.conv.onednn`` is available and computes this
       convolution (float32, a non-empty batch).
   Returns:
     With oneDNN: 'onednn', except 'onednn_input_grad' where XLA's choice

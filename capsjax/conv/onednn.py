@@ -8,8 +8,8 @@ first use compiles ``csrc/onednn_conv.cc`` against jaxlib's FFI headers
 (about 3 s, once per source and jaxlib version) into the user's cache
 (``$CAPSJAX_CACHE_DIR``, else ``~/.cache/capsjax``) and registers its three
 handlers: the forward convolution (any stride, explicit zero padding) and
-its two gradients. ``layers.conv2d`` then runs the CPU's float32
-convolutions through them (``cpu_convolutions.cpu_conv_impl``). Without the
+its two gradients. ``lowerings.conv2d`` then runs the CPU's float32
+convolutions through them (``dispatch.cpu_conv_impl``). Without the
 wheels or a compiler, or with ``CAPSJAX_ONEDNN=0``, nothing changes:
 ``status()`` says why.
 """

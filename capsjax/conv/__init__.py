@@ -1,0 +1,30 @@
+"""Convolution backends: ``conv2d`` and the lowerings it chooses from.
+
+- ``lowerings``: ``conv2d`` and XLA lowerings of a convolution (patches,
+  narrow, taps, space-to-depth, direct) with their custom gradients;
+- ``dispatch``: which lowering a CPU convolution takes, and XLA:CPU's
+  YNNPACK setting (``prefer_eigen_convolutions``);
+- ``onednn``: oneDNN's convolutions through XLA's FFI (the ``onednn``
+  extra), built from ``csrc/`` on first use.
+The capsule layers (``capsjax.layers``) only call ``conv2d``.
+"""
+
+from capsjax.conv.lowerings import CONV_IMPLS
+from capsjax.conv.lowerings import conv2d
+from capsjax.conv.lowerings import eigen_conv
+from capsjax.conv.lowerings import narrow_conv
+from capsjax.conv.lowerings import onednn_input_grad_conv
+from capsjax.conv.lowerings import patches_conv
+from capsjax.conv.lowerings import space_to_depth_conv
+from capsjax.conv.lowerings import taps_conv
+
+__all__ = (
+    'CONV_IMPLS',
+    'conv2d',
+    'eigen_conv',
+    'narrow_conv',
+    'onednn_input_grad_conv',
+    'patches_conv',
+    'space_to_depth_conv',
+    'taps_conv',
+)

@@ -1,0 +1,31 @@
+"""What a pip install ships: the library, not the repository's experiments."""
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_wheel_ships_capsjax_only(tmp_path):
+  subprocess.run(
+      [sys.executable, '-m', 'pip', 'wheel', '--no-deps',
+       '-q', '-w', str(tmp_path), REPO],
+      check=True, capture_output=True, timeout=300)
+  (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith('.whl')]
+  names = zipfile.ZipFile(tmp_path / wheel).namelist()
+  top = {name.split('/')[0] for name in names}
+  assert 'capsjax' in top and 'experiments' not in top, sorted(top)
+  # The oneDNN extra's C++ source travels with the package.
+  assert 'capsjax/conv/csrc/onednn_conv.cc' in names
+
+
+def test_experiments_run_from_a_clone():
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.capsnet_mnist', '--helpfull'],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert '--workdir' in out.stdout + out.stderr
