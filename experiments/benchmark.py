@@ -64,6 +64,7 @@ import numpy as np
 from absl import app
 from absl import flags
 
+from capsjax import conv
 from capsjax import flops as flops_lib
 from capsjax import models
 from capsjax import routing
@@ -388,6 +389,7 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
       'model_options': {k: str(v) for k, v in
                         state_lib.model_options(config).items()},
       'dtype': dtype,
+      'conv_backend': conv.backend(),
       'num_devices': num_devices,
       'num_params': num_params,
       'compile_s': compile_s,
@@ -752,4 +754,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launcher.parse_flags)

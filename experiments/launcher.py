@@ -88,6 +88,13 @@ def parse_flags(argv: list[str]) -> list[str]:
   """
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:
+    # absl's --help (and --helpshort, --helpfull) prints and exits 1: asking
+    # for help is no failure.
+    if e.code == 1 and set(argv[1:]) & {'--help', '-h', '-?', '--helpshort',
+                                        '--helpfull'}:
+      sys.exit(0)
+    raise
   except flags.Error as e:
     usage_error(e)
   except (AttributeError, KeyError) as e:  # --config.KEY naming no key

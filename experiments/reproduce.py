@@ -159,17 +159,22 @@ def _training(name: str, title: str, paper: str, paper_spec: str,
               module: str = 'experiments.capsnet_mnist',
               result: str = 'summary.json'
               ) -> dict[str, Experiment]:
-  """A single training run (the paper and smoke suites' entries)."""
-  rows = lambda workdir: [_run_row(  # noqa: E731
-      _read(os.path.join(workdir, 'summary.json')), title, paper)]
+  """A single training run (the paper and smoke suites' entries); a smoke
+  row names the configuration that ran."""
+  def rows(label: str) -> Callable[[str], list[dict[str, Any]]]:
+    return lambda workdir: [_run_row(
+        _read(os.path.join(workdir, 'summary.json')), label, paper)]
+  smoke_label = f'{title} (reduced: {smoke_spec}' + (
+      f' {" ".join(smoke_overrides)})' if smoke_overrides else ')')
   return {
       suite: Experiment(
           name, module,
           lambda workdir, options, spec=spec, extra=extra: _config(
               spec, workdir, options, *extra),
-          result, rows)
-      for suite, spec, extra in (('paper', paper_spec, ()),
-                                 ('smoke', smoke_spec, smoke_overrides))}
+          result, rows(label))
+      for suite, spec, extra, label in (
+          ('paper', paper_spec, (), title),
+          ('smoke', smoke_spec, smoke_overrides, smoke_label))}
 
 
 # In the smoke suite the ablations, the baseline CNN and Fashion-MNIST train

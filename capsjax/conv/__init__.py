@@ -9,6 +9,9 @@
 The capsule layers (``capsjax.layers``) only call ``conv2d``.
 """
 
+import jax
+
+from capsjax.conv import onednn
 from capsjax.conv.lowerings import CONV_IMPLS
 from capsjax.conv.lowerings import conv2d
 from capsjax.conv.lowerings import eigen_conv
@@ -18,8 +21,22 @@ from capsjax.conv.lowerings import patches_conv
 from capsjax.conv.lowerings import space_to_depth_conv
 from capsjax.conv.lowerings import taps_conv
 
+
+def backend() -> str:
+  """Which convolutions this process runs, in words: 'oneDNN' or 'XLA', and
+  why not oneDNN on the CPU (for the run's header, summary and benchmark
+  rows)."""
+  platform = jax.default_backend()
+  if platform != 'cpu':
+    return f'XLA ({platform})'
+  if onednn.available():
+    return 'oneDNN (float32; XLA for other dtypes)'
+  return f'XLA (oneDNN {onednn.status()})'
+
+
 __all__ = (
     'CONV_IMPLS',
+    'backend',
     'conv2d',
     'eigen_conv',
     'narrow_conv',

@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from capsjax import conv
 from capsjax import data as data_lib
 from capsjax import evaluators
 from capsjax.training import metrics as metrics_lib
@@ -377,7 +378,8 @@ class _Run:
             f'{len(d.train.labels)} train / {len(d.validation.labels)} '
             f'validation / {len(d.test.labels)} test; {c.num_train_steps} '
             f'steps of batch {c.batch_size} on {self.mesh.size} '
-            f'{jax.devices()[0].platform} device(s).')
+            f'{jax.devices()[0].platform} device(s); convolutions: '
+            f'{conv.backend()}.')
 
   def reached_target(self, record: dict | None) -> bool:
     target = self.config.get('target_accuracy') or 0.0
@@ -525,6 +527,10 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
   """``fit`` in a workdir this process holds."""
   run = _Run(config, workdir, steps, dataset)
   run.say(run.header())
+  if run.step >= config.num_train_steps or run.reached_target(
+      run.best_record):
+    run.say(f'{workdir} has finished training (step {run.step}): nothing is '
+            f'trained; the selected model is tested again.')
   # The code that trains: taken now, as the tree may change during a run.
   environment = metrics_lib.environment()
   time_limit = config.get('max_train_seconds') or None
@@ -608,11 +614,28 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
   if run.chief:
     metrics_lib.write_json_atomic(os.path.join(workdir, 'summary.json'),
                                   summary)
-  run.say(json.dumps({
-      'test_accuracy': test.get('accuracy'),
-      'validation_accuracy': (run.best_record or {}).get('accuracy'),
-      'steps': run.step, 'images_per_s': summary['train_images_per_s']}))
+  run.say(_final_line(summary, workdir))
   return summary
+
+
+def _percent(value: float | None) -> str:
+  return '-' if value is None else f'{100 * value:.2f}%'
+
+
+def _final_line(summary: dict[str, Any], workdir: str) -> str:
+  """What a run ends with: the numbers a user looks for, and where the rest
+  is."""
+  speed = summary.get('train_images_per_s')
+  line = (f'Test accuracy {_percent(summary["test"].get("accuracy"))} '
+          f'(validation {_percent((summary.get("validation") or {}).get("accuracy"))}'
+          f', step {summary["selected_step"]} selected) after '
+          f'{summary["steps"]} steps'
+          + (f' at {speed:.0f} img/s' if speed else '') + '.')
+  if summary.get('stopped_by_time_limit'):
+    line += (f' Stopped early by max_train_seconds='
+             f'{summary["max_train_seconds"]:g} before num_train_steps; '
+             f'raise it (0: no limit) and rerun to train on.')
+  return line + f' Summary: {os.path.join(workdir, "summary.json")}'
 
 
 def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
@@ -637,6 +660,10 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
                              if clock.seconds > 0 else None),
       'compile_s': compile_s,
       'train_wall_s_this_run': clock.seconds,
+      'stopped_by_time_limit': run.step < config.num_train_steps and not (
+          run.reached_target(run.best_record)),
+      'max_train_seconds': config.get('max_train_seconds') or 0,
+      'conv_backend': conv.backend(),
       'batch_size': config.batch_size,
       **environment,
       'num_devices': run.mesh.size,  # those trained on, not all there are

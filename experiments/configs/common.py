@@ -41,7 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.select_on_validation = True
   # Stop early after this many seconds of training steps (compilation,
   # evaluation and checkpoints not counted; 0: no limit).
-  config.max_train_seconds = 0
+  config.max_train_seconds = 0.0
   # Number of local devices for data parallelism (0: all of them; must be 0
   # with --distributed, whose mesh spans every process's devices).
   config.num_devices = 0

@@ -185,7 +185,7 @@ def get_config(variant: str = ''):
       config.num_train_steps = 1500
       # A guard for slower machines: stop (and evaluate) after 280 s of
       # training steps.
-      config.max_train_seconds = 280
+      config.max_train_seconds = 280.0
       config.max_shift = 0
       config.batch_size = 32
       config.learning_rate = 1e-2
