@@ -21,6 +21,8 @@ from ml_collections import config_flags
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           'configs')
+# The running experiment's default --config (set by ``run``).
+_default_config = ''
 
 
 def run_command(argv: list[str], body: Callable[[], None],
@@ -98,8 +100,71 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     usage_error(e)
   except (AttributeError, KeyError) as e:  # --config.KEY naming no key
-    usage_error(ValueError(f'a --config.KEY=VALUE override names a key the '
-                           f'config lacks: {_innermost(e)}'))
+    _override_error(e, _config_arg(argv, _default_config))
+
+
+def _config_arg(argv: list[str], default: str) -> str:
+  """The --config value of a command line (FILE[:VARIANTS]), or default."""
+  for i, arg in enumerate(argv):
+    if arg.startswith('--config='):
+      return arg.split('=', 1)[1]
+    if arg == '--config' and i + 1 < len(argv):
+      return argv[i + 1]
+  return default
+
+
+def _check_config_file(spec: str) -> None:
+  """A missing config file is one line listing the configs there are."""
+  path = re.sub(r'(\.py):[^/]*$', r'\1', spec)
+  if not os.path.isfile(path):
+    names = sorted(f for f in os.listdir(CONFIG_DIR)
+                   if f.endswith('.py') and not f.startswith('_')
+                   and f != 'common.py')
+    usage_error(ValueError(
+        f'--config: no config file {path}. The configs: '
+        f'{", ".join(os.path.join("experiments/configs", n) for n in names)}'
+        f' (add :VARIANT, e.g. :smoke).'))
+
+
+def _nearest_keys(spec: str, key: str) -> list[str]:
+  """Config keys close to ``key`` (model_options.KEY for a model option
+  given without its prefix), from the config file itself."""
+  import difflib
+  import importlib.util
+  path, _, variant = spec.partition(':')
+  try:
+    module_spec = importlib.util.spec_from_file_location('_config', path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(variant) if variant else module.get_config()
+  except Exception:  # noqa: BLE001 - a hint only; the error stands alone
+    return []
+
+  def flat(d, prefix=''):
+    for name, value in d.items():
+      if hasattr(value, 'items'):
+        yield from flat(value, f'{prefix}{name}.')
+      yield f'{prefix}{name}'
+  keys = list(flat(config))
+  if 'model' in config:  # every option of the model, set or not
+    from capsjax import models
+    keys += [f'model_options.{name}' for name in
+             models.model_options(config.model)
+             if f'model_options.{name}' not in keys]
+  leaf = key.split('.')[-1]
+  exact = [k for k in keys if k.split('.')[-1] == leaf and k != key]
+  return exact or difflib.get_close_matches(key, keys, n=3)
+
+
+def _override_error(error: BaseException, spec: str) -> None:
+  """An override naming no key: one line, with the keys it may mean."""
+  message = _innermost(error)
+  match = re.search(r"'([\w.]+)'", message)
+  hints = _nearest_keys(spec, match.group(1)) if match else []
+  hint = (f' Did you mean {" or ".join(f"--config.{k}" for k in hints)}?'
+          if hints and 'Did you mean' not in message else '')
+  usage_error(ValueError(f'a --config.KEY=VALUE override names a key the '
+                         f'config lacks: {message}{hint}'))
 
 
 def _define_distributed_flags() -> dict[str, flags.FlagHolder]:
@@ -197,6 +262,10 @@ def run(train_and_evaluate: Callable, default_config: str, *,
       'config_help', False, "Print the config's keys with their values and "
       'meanings (after any --config.KEY=VALUE overrides) and exit.',
       module_name=sys.argv[0])
+  global _default_config
+  _default_config = os.path.join(CONFIG_DIR, default_config)
+  spec = _config_arg(sys.argv, _default_config)
+  _check_config_file(spec)
   try:
     # ml_collections reads --config.KEY=VALUE overrides here already: an
     # unknown KEY raises now, before app.run parses the flags.
@@ -205,8 +274,7 @@ def run(train_and_evaluate: Callable, default_config: str, *,
         'Experiment config file, optionally with :variant (e.g. :smoke); '
         'override single keys with --config.KEY=VALUE.', lock_config=True)
   except (AttributeError, KeyError) as e:
-    usage_error(ValueError(f'a --config.KEY=VALUE override names a key the '
-                           f'config lacks: {_innermost(e)}'))
+    _override_error(e, spec)
   except (TypeError, ValueError) as e:
     usage_error(e)
   flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])

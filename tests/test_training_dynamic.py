@@ -632,3 +632,19 @@ def test_a_time_limited_run_says_so_and_a_finished_one_is_not_retrained(
   out = capsys.readouterr().out
   assert f'{workdir} has finished training (step 12)' in out, out
   assert 'Test accuracy ' in out and 'Stopped early' not in out
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config.conv1_channels=48'],
+     'Did you mean --config.model_options.conv1_channels?'),
+    (['--config=experiments/configs/capsnet_mnst.py:smoke'],
+     'no config file experiments/configs/capsnet_mnst.py. The configs: '),
+])
+def test_a_wrong_key_or_config_says_what_there_is(tmp_path, args, message):
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.capsnet_mnist',
+       f'--workdir={tmp_path / "w"}', *args], cwd=REPO, capture_output=True,
+      text=True, timeout=120)
+  assert out.returncode == 2 and message in out.stderr, out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+  assert not (tmp_path / 'w').exists()
