@@ -180,6 +180,23 @@ def test_progress_bar_shows_rate_and_eta_between_logs(monkeypatch):
   assert re.search(r'<\d+:\d+', drawn), drawn  # the ETA
 
 
+def test_a_message_goes_above_the_bar_not_into_its_line(monkeypatch):
+  terminal, out = io.StringIO(), io.StringIO()
+  terminal.isatty = lambda: True
+  monkeypatch.setattr(sys, 'stderr', terminal)
+  monkeypatch.setattr(sys, 'stdout', out)
+  monkeypatch.delenv('CAPSJAX_NO_PROGRESS', raising=False)
+  with metrics_lib.Progress(100, 0, batch_size=8) as progress:
+    progress._bar.mininterval = 0
+    progress.advance(3)
+    progress.write('The remaining 97 steps take about 1 h.')
+    progress.advance(4)
+  # The message is its own line on stdout; the bar (stderr) never holds it.
+  assert out.getvalue() == 'The remaining 97 steps take about 1 h.\n'
+  assert 'remaining' not in terminal.getvalue()
+  assert '4/100' in terminal.getvalue().split('\r')[-1]
+
+
 def test_environment_names_the_commit_and_uncommitted_changes():
   from tests.conftest import REPO
 

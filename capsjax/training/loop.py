@@ -300,6 +300,8 @@ class _Run:
     # In a multi-process run every process runs this; process 0 alone writes
     # the run's files (orbax coordinates the checkpoints itself).
     self.chief = is_chief()
+    # The progress bar while training: messages go above it.
+    self.progress: metrics_lib.Progress | None = None
     accepted, warned = config_changes(config, workdir)
     if accepted:
       self.say(f'Changed from the stored config: {accepted}.')
@@ -347,7 +349,11 @@ class _Run:
     self._eval_step = jax.jit(functools.partial(steps.eval_step, self.graphdef))
 
   def say(self, message: str) -> None:
-    if self.chief:
+    if not self.chief:
+      return
+    if self.progress is not None:  # above the bar, not into its line
+      self.progress.write(message)
+    else:
       print(message, flush=True)
 
   def _drop_damaged_best(self) -> bool:
@@ -546,6 +552,7 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
   with metrics_lib.MetricWriter(workdir) as writer, metrics_lib.Progress(
       config.num_train_steps, run.step, config.batch_size) as progress, \
       _StopSignals() as stop:
+    run.progress = progress
     previous = None
     while (run.step < config.num_train_steps and
            not run.reached_target(run.best_record)):

@@ -92,6 +92,11 @@ class Progress:
       self._postfix(rate * self._batch_size)
     self._bar.update(step - self._bar.n)
 
+  def write(self, message: str) -> None:
+    """Print a line to stdout above the bar (not into its line)."""
+    self._bar.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
   def _postfix(self, images_per_s: float) -> None:
     self._bar.set_postfix(self._scalars | {'img/s': f'{images_per_s:.0f}'},
                           refresh=False)
