@@ -29,3 +29,13 @@ def test_experiments_run_from_a_clone():
       [sys.executable, '-m', 'experiments.capsnet_mnist', '--helpfull'],
       cwd=REPO, capture_output=True, text=True, timeout=120)
   assert '--workdir' in out.stdout + out.stderr
+
+
+def test_import_from_the_folder_holding_a_clone_named_capsjax(tmp_path):
+  """The documented install finds the package from the clone's parent, where
+  the clone folder itself would otherwise be imported as a namespace."""
+  (tmp_path / 'capsjax').symlink_to(REPO, target_is_directory=True)
+  out = subprocess.run(
+      [sys.executable, '-c', 'import capsjax; print(capsjax.dynamic_routing)'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and 'function' in out.stdout, out.stderr
