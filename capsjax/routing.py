@@ -85,7 +85,7 @@ def squash(s: ArrayLike, axis: int = -1, *, constant: float = 1.0,
 
   Keeps the direction of ``s`` and maps its length into [0, 1). A zero vector
   maps to zero with a finite gradient. ``constant=0.5`` is the variant that
-  seed 004 reports to work better.
+  Su Jianlin's 2018 capsule post reports to work better.
 
   Args:
     s: [..., D] vectors (D along ``axis``).
@@ -169,7 +169,7 @@ def dynamic_routing(
     num_iterations: static number of routing iterations (>= 1); 1 gives
       uniform coupling 1/O.
     accumulate: True is the paper's b += <u_hat, v>; False is Su's
-      non-accumulating fixed-point update b = <u_hat, v> (seed 004).
+      non-accumulating fixed-point update b = <u_hat, v> (Su Jianlin's 2018 capsule post).
     leaky: add the official code's zero "orphan" logit.
     squash_constant: the constant in |s|^2 / (constant + |s|^2).
     bias: optional [..., O, D] (broadcastable) added to s before the squash,
@@ -344,7 +344,8 @@ def em_m_step(
     raise ValueError(
         f"activation_form must be 'paper' or 'authors', got {activation_form!r}.")
   if normalize_cost:
-    # Seed 002: a_cost = (mean_O cost - cost) / std_O cost; not in the paper.
+    # A popular variant of open EM implementations: a_cost = (mean_O cost -
+    # cost) / std_O cost; not in the paper.
     mean = jnp.mean(cost, axis=-1, keepdims=True)
     # The epsilon goes under the square root: sqrt has an infinite gradient
     # at 0, and the costs are all equal for one output capsule or when no
@@ -439,7 +440,7 @@ def em_routing(
       sequence of T values.
     variance_epsilon: the variance floor added to every sigma^2.
     normalize_cost: replace the cost by (cost - mean_O) / std_O before the
-      logistic (seed 002's popular variant; not in the paper).
+      logistic (a popular variant of open implementations; not in the paper).
     center_momentum: m in mu_t = (1 - m) mu_new + m mu_{t-1} (released code:
       0.1, with mu_{-1} = 0). 0 is the paper.
     activation_form: 'paper' (above) or 'authors', the released code's logit

@@ -37,7 +37,7 @@ def shared_vector_votes(inputs: ArrayLike, weights: ArrayLike) -> jax.Array:
   """u_hat_j|i = W_j u_i with one W_j per output shared by every input.
 
   The parameter count does not depend on I, so a layer built on this accepts
-  any number of input capsules (any image size; seed 004).
+  any number of input capsules (any image size; Su's shared-weight capsule layer).
 
   Args:
     inputs: [..., I, Din].

@@ -27,7 +27,7 @@ from capsjax import training
 from capsjax.evaluators import two_digit_pairs
 from experiments import launcher
 
-# Su's numbers (seed 004 and bojone/Capsule): normal MNIST test accuracy,
+# Su's numbers (his capsule post and bojone/Capsule): normal MNIST test accuracy,
 # accuracy 1 and 2 on stacked pairs.
 REPORTED = {
     'two_digit_baseline': {'test_accuracy': 'about 0.993', 'top2': 'about 0.40',

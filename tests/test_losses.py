@@ -23,7 +23,7 @@ def test_margin_loss_hand_computed():
 
 
 def test_margin_loss_su_weight_and_several_labels():
-  # Su's binary loss (seed 004): negative weight 0.25.
+  # Su's binary loss (his capsule post): negative weight 0.25.
   np.testing.assert_allclose(
       losses.margin_loss(LENGTHS, ONE_HOT, negative_weight=0.25),
       [0.04, 0.0025 + 0.01 + 0.000625], rtol=1e-5)

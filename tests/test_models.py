@@ -191,7 +191,7 @@ def test_matrix_capsnet_parameter_count(options, expected):
 
 
 def test_two_digit_parameter_counts():
-  # Seed 004: "about 270K" for both; neither depends on the input size.
+  # Su's post: "about 270K" for both; neither depends on the input size.
   assert models.count_params(_abstract('two_digit_baseline')) == 276_810
   assert models.count_params(_abstract('two_digit_capsnet')) == 279_488
 

@@ -1,7 +1,8 @@
 """Tests for capsjax.routing.
 
-The references below are float64 NumPy transcriptions of SPEC.md sections 2
-and 4 (and the em_routing docstring for the released-code options); they do
+The references below are float64 NumPy transcriptions of the two papers'
+procedures (Sabour et al. 2017, Procedure 1; Hinton et al. 2018, Procedure
+1) and of the em_routing docstring for the released-code options; they do
 not call the library. Shapes: B batch, I input capsules, O output capsules,
 D capsule dimension.
 """
@@ -56,7 +57,7 @@ def np_coupling(logits, leaky=False, axis=-1):
 def np_dynamic_routing(votes, num_iterations, accumulate=True, leaky=False,
                        squash_constant=1.0, bias=None, coupling_axis=-1,
                        normalize_agreement=False):
-  """SPEC section 2. coupling_axis=-2 is the softmax-over-inputs bug;
+  """Sabour et al. 2017, Procedure 1. coupling_axis=-2 is the softmax-over-inputs bug;
   normalize_agreement: the logits agree with s / |s|, not squash(s)."""
   votes = np.asarray(votes, np.float64)
   logits = np.zeros(votes.shape[:-1])
@@ -104,7 +105,7 @@ def np_em_routing(votes, activations, beta_u, beta_a, num_iterations,
                   inverse_temperature=None, variance_epsilon=1e-4,
                   normalize_cost=False, center_momentum=0.0,
                   activation_form='paper'):
-  """SPEC section 4, with the options of the authors' released code.
+  """Hinton et al. 2018, Procedure 1, with the options of the authors' released code.
 
   Each option as google-research capsule_em/em_layers.py computes it
   (update_em_routing, read at commit 00895117 for this reference):
@@ -113,7 +114,7 @@ def np_em_routing(votes, activations, beta_u, beta_a, num_iterations,
   centre; the variance floor added, not a max; activation_form='authors':
   logit = lambda * (mass * (-sum_h log var_h - beta_u * 16 * (log 2 pi +
   1)) - 5000 beta_a) (16 = the pose size), no cost normalisation there.
-  normalize_cost is seed 002's (mean - cost) / std (SPEC: an option, off by
+  normalize_cost is the open implementations' (mean - cost) / std (an option, off by
   default). The mass guard is this library's 1e-6 (the authors add 1e-5 in
   the class layer and 1e-7 in conv layers); it only matters for masses near
   0.
@@ -590,7 +591,7 @@ def test_dynamic_routing_check_grads():
 
 
 # ----------------------------------------------------------------------------
-# EM routing is EM for a Gaussian mixture (SPEC section 5).
+# EM routing is EM for a Gaussian mixture (Hinton et al. 2018, section 2).
 
 
 def _rotations(angles):

@@ -102,7 +102,7 @@ def check_smoke_em(workdir):
   The smoke model routes with two EM iterations in every layer, so the
   E-step runs (an M-step-only model passed the one-iteration version). It
   reached 96.52% test accuracy (seed 1: 96.46%) in 1500 steps and 70-73 s
-  of training on a 2-core CPU (results/ci_smoke_retime). Every step
+  of training on a 2-core CPU (results/em_mnist_smoke). Every step
   must run inside the config's 280 s guard: a machine too slow for that
   fails here rather than passing a weaker claim.
   """
@@ -131,7 +131,7 @@ def check_smoke_em(workdir):
 
 # ----------------------------------------------------------------------------
 # The loss branches, the weight decay and the step's margin, against float64
-# NumPy written from SPEC section 4 (spread loss, eq. 3), Sabour et al. eq. 4
+# NumPy written from Hinton et al. 2018 (spread loss, eq. 3), Sabour et al. eq. 4
 # (margin loss) and the softmax cross-entropy of logit(a).
 
 

@@ -22,7 +22,7 @@ from tests.conftest import REPO
 
 
 def su_accuracies(y_pred, y_test):
-  """Su's evaluation code (seed 004), line by line, per pair."""
+  """Su's evaluation code (his capsule post), line by line, per pair."""
   y_test = np.sort(y_test, axis=1)  # only the set counts, not the order
   greater = np.sort(y_pred, axis=1)[:, -2] > 0.5
   top = y_pred.argsort()[:, -2:]

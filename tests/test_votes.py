@@ -334,7 +334,7 @@ def test_em_routing_in_a_conv_capsule_layer():
 
 
 def test_authors_coordinates_are_receptive_field_centres_in_pixels():
-  # By hand, from SPEC section 4: pixel i sits at (i - size/2) / 100 and
+  # By hand, from the released code: pixel i sits at (i - size/2) / 100 and
   # each layer averages its window. Conv1 5x5/2, ConvCaps1 3x3/2, ConvCaps2
   # 3x3/1: last-grid position o averages pixels 4o .. 4o + 16 around
   # 4o + 8, i.e. (4o + 8 - size/2) / 100.

@@ -6,7 +6,7 @@ below the machine: Su's second 3x3 layer at batch 128, forward alone,
 151-172 ms as a YNNPACK fusion against 31-36 ms as XLA's Eigen convolution
 (173 GFLOP/s, this CPU's measured matmul peak), and its train step
 (forward, input and kernel gradients) 520 ms against 160 ms
-(BENCHMARKS.md, the CPU convolution kernels, session 11). The slow
+(BENCHMARKS.md, the CPU convolution kernels). The slow
 "XLA:CPU convolution backward pass" that ``lowerings.patches_conv`` works
 around was mostly this.
 
@@ -132,7 +132,7 @@ TAPS_ABOVE_INPUT_RATIO = 2.0
 # 38.0 ms and 45.4 against 48.9 (PyTorch 31.6, 39.7); at 1.17 (Su's 26x26
 # layer) slower, 110.6 against 101.7; and at 1.31 (the baseline CNN's 5x5
 # SAME layers of 256 channels: 25 taps) the whole step took 6.0 s against
-# 4.3 s (BENCHMARKS.md, session 14).
+# 4.3 s (BENCHMARKS.md).
 STRIDE1_TAPS_ABOVE_INPUT_RATIO = 1.4
 # Below this many input channels the taps' Kh*Kw products and in-place adds
 # are many small kernels whose fixed costs dominate: the CI's 8-channel
@@ -143,11 +143,11 @@ TAPS_MIN_CHANNELS = 64
 
 # oneDNN's convolutions (capsjax.conv.onednn, where installed) beat XLA's
 # lowerings on the convolutions of the shipped models, forward and both
-# gradients at batch 64 and 128 (BENCHMARKS.md, session 16): 0.17-0.74 of
+# gradients at batch 64 and 128 (BENCHMARKS.md): 0.17-0.74 of
 # XLA's time on the images' narrow first layers, 0.40-0.41 on the smoke
 # CapsNet's PrimaryCaps, 0.80-0.83 on the baseline CNN's 5x5 SAME layers;
 # Su's 3x3 layers trained 1.19-1.23x as fast as PyTorch with them against
-# 0.93-1.00 (session 15). The exception is a strided convolution whose XLA
+# 0.93-1.00. The exception is a strided convolution whose XLA
 # choice is taps, the paper CapsNet's PrimaryCaps: 1.01-1.10 of the taps'
 # time. XLA's forward and kernel gradient with oneDNN's input gradient
 # took 0.96 of it at batch 128 and 1.03 at 64.

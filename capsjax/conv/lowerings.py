@@ -379,7 +379,7 @@ def onednn_input_grad_conv(x: ArrayLike, kernel: ArrayLike, stride: int,
   against 295 and 359 ms at batch 128), and oneDNN's input gradient beats
   the taps (323 against 403 ms); together they take 858 ms against 898 as
   taps, 1024 as oneDNN and 914 in PyTorch (at batch 64 429 against 418,
-  489 and 445: a wash; BENCHMARKS.md, session 16). Needs
+  489 and 445: a wash; BENCHMARKS.md). Needs
   ``capsjax.conv.onednn``.
 
   Args:

@@ -2,7 +2,7 @@
 
 XLA:CPU's own (Eigen) convolutions run every pass of Su's 3x3 layers
 10-20% slower than oneDNN's, and XLA:CPU hands no convolution to a faster
-library (BENCHMARKS.md, session 15). With oneDNN's wheels installed
+library (BENCHMARKS.md). With oneDNN's wheels installed
 (``pip install 'capsjax[onednn]'``) and a C++ compiler on the machine, the
 first use compiles ``csrc/onednn_conv.cc`` against jaxlib's FFI headers
 (about 3 s, once per source and jaxlib version) into the user's cache

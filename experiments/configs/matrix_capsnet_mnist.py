@@ -49,7 +49,7 @@ def em_defaults(config):
   # input pixels, centred and divided by 100 (the released code; the
   # paper's "scaled coordinate of the centre of the receptive field").
   # 'authors' on the smoke model: 95.98% mean validation accuracy over 2
-  # seeds against 95.69% (results/em_mnist_trials/session9).
+  # seeds against 95.69% (results/em_mnist_routing_options).
   config.model_options.coordinate_form = 'authors'
   # The released code's routing, primary capsules and coordinate order
   # (authors_routing sets them; models.MatrixCapsNet documents them).
@@ -59,9 +59,9 @@ def em_defaults(config):
   # within each K x K window (the paper's procedure, window by window);
   # True across every parent that receives its votes (the released code).
   # With the authors' coordinates, across positions gave 95.88% against
-  # 95.98% (session9): within the windows stays the default.
+  # 95.98%: within the windows stays the default.
   config.model_options.normalize_across_positions = False
-  # capsjax's routing option set (results/em_mnist_trials): the paper's
+  # capsjax's routing option set (results/em_mnist_routing_options): the paper's
   # lambda schedule (0.01 (1 - 0.95^(t+1))) leaves every activation near
   # sigmoid(0) at our cost scale, so nothing learns; cost normalisation with
   # lambda = 1 keeps about half the capsules of every layer active at
@@ -161,19 +161,18 @@ def get_config(variant: str = ''):
     if part == 'smoke':
       # The CI test's model (tests/test_training_em.py): two EM iterations in
       # every layer (the E-step runs), 1500 steps of batch 32 in 70-73 s of
-      # training on this 2-core CPU (4 host devices, session 13): 96.52%
-      # test accuracy (96.98% validation), seed 1 96.46% (96.84%). Until
-      # session 13 it ran 1035 steps (92-160 s before the parent-major
-      # routing, 53 s after; 95.16% test, seed 1 95.49%): the time saved
-      # went back to accuracy, the schedule unchanged, so the margin ends at
-      # 0.9 by step 825 and the learning rate keeps decaying
-      # (results/ci_smoke_retime). So that CI's slower machine (its speed
+      # training on an idle 2-core CPU (4 host devices): 96.52% test
+      # accuracy (96.98% validation), seed 1 96.46% (96.84%); 96.81% at the
+      # current code (results/em_mnist_smoke). 1035 steps gave 95.16% test
+      # (seed 1 94.91%, under the claim); with the schedule unchanged the
+      # margin ends at 0.9 by step 825 and the learning rate keeps
+      # decaying. So that CI's slower machine (its speed
       # varied 1.7x within an hour here) stays inside the 280 s guard:
       # - the central 24x24 of each digit: ConvCaps1 routes 4x4 windows
       #   instead of 5x5, ConvCaps2 2x2 instead of 3x3;
       # - B=4 primary types: ConvCaps1's routing is most of a step.
       # (One iteration, an M-step-only model, reached 96.50% in 690 steps at
-      # 1.8-1.9x the images per second; session 5.) No shifts: they cost 6
+      # 1.8-1.9x the images per second.) No shifts: they cost 6
       # points of validation accuracy at step 200 of such short runs.
       config.model_options.A = 32
       config.model_options.B = 4

@@ -99,7 +99,7 @@ dnnl::convolution_backward_weights::primitive_desc KernelGradDesc(
 // A primitive and the weights layout it wants, built once per shape:
 // building the descriptors (and, for the gradients, the forward one they
 // hint from) cost ~60 us per forward and backward, as much as a small
-// layer's work (BENCHMARKS.md, session 16).
+// layer's work (BENCHMARKS.md).
 struct Prepared {
   dnnl::primitive primitive;
   memory::desc weights;
@@ -135,7 +135,7 @@ memory Weights(const memory::desc& wanted, const Shapes& s, float* data,
 // its own: each call already runs on all cores (oneDNN's OpenMP threads),
 // and where XLA starts two side by side, such as a layer's two gradients,
 // the pair took as long either way (the baseline CNN's last layer, 838 ms
-// overlapped against 846 ms one after the other; BENCHMARKS.md, session 16).
+// overlapped against 846 ms one after the other; BENCHMARKS.md).
 std::mutex& OneAtATime() {
   static std::mutex mutex;
   return mutex;
