@@ -169,7 +169,8 @@ def dynamic_routing(
     num_iterations: static number of routing iterations (>= 1); 1 gives
       uniform coupling 1/O.
     accumulate: True is the paper's b += <u_hat, v>; False is Su's
-      non-accumulating fixed-point update b = <u_hat, v> (Su Jianlin's 2018 capsule post).
+      non-accumulating fixed-point update b = <u_hat, v> (Su Jianlin's 2018
+      capsule post).
     leaky: add the official code's zero "orphan" logit.
     squash_constant: the constant in |s|^2 / (constant + |s|^2).
     bias: optional [..., O, D] (broadcastable) added to s before the squash,

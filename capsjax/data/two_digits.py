@@ -1,4 +1,7 @@
-"""Su's two-digit test set (Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴 ("Lifting the fog: a Capsule feast")): two different test digits in one image.
+"""Su's two-digit test set: two different test digits in one image.
+
+From Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴
+("Lifting the fog: a Capsule feast").
 
 Shape legend: N digits in the source split, M pairs kept, H x W x C a digit.
 """

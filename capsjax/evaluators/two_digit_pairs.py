@@ -1,4 +1,7 @@
-"""Su's two-digit transfer test (Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴 ("Lifting the fog: a Capsule feast")).
+"""Su's two-digit transfer test.
+
+From Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴
+("Lifting the fog: a Capsule feast").
 
     config.evals.pairs = dict(type='two_digit_pairs', num_pairs=0)
     config.evals.side_by_side = dict(type='two_digit_pairs',

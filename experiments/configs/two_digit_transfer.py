@@ -1,4 +1,7 @@
-"""Su's two-digit transfer test (Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴 ("Lifting the fog: a Capsule feast")), Su's protocol.
+"""Su's two-digit transfer test, Su's protocol.
+
+From Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴
+("Lifting the fog: a Capsule feast").
 
   python -m experiments.two_digit_transfer --workdir=/tmp/two_digit \\
       --config=experiments/configs/two_digit_transfer.py
