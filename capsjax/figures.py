@@ -722,6 +722,47 @@ def affnist_figure(images: ArrayLike, labels: ArrayLike,
   return _save(fig, path)
 
 
+def confusion_figure(confusion: ArrayLike, class_names: Sequence[str],
+                     path: str | os.PathLike | None = None, *,
+                     title: str = ''):
+  """A confusion matrix as a heat map: rows the true classes, columns the
+  predicted ones, each row as fractions of its class (the counts written
+  in the cells when there are at most 20 classes).
+
+  Args:
+    confusion: int [K, K] counts.
+    class_names: K names (the axes' labels).
+    path: PNG to write (None: do not write).
+  Returns:
+    The matplotlib figure.
+  """
+  confusion = np.asarray(confusion)
+  k = len(class_names)
+  if confusion.shape != (k, k):
+    raise ValueError(f'confusion must be [{k}, {k}] for {k} class names, got '
+                     f'{confusion.shape}.')
+  rows = confusion.sum(axis=1, keepdims=True)
+  fractions = confusion / np.maximum(rows, 1)
+  side = min(1.2 + 0.45 * k, 16)
+  fig = _figure(side + 1.2, side)
+  ax = fig.subplots()
+  shown = ax.imshow(fractions, cmap='Blues', vmin=0.0, vmax=1.0)
+  fig.colorbar(shown, ax=ax, fraction=0.046, label='fraction of the true class')
+  ticks = np.arange(k)
+  ax.set_xticks(ticks, [str(n) for n in class_names], rotation=60,
+                ha='right', fontsize=7)
+  ax.set_yticks(ticks, [str(n) for n in class_names], fontsize=7)
+  ax.set_xlabel('predicted')
+  ax.set_ylabel('true')
+  if k <= 20:
+    for (i, j), count in np.ndenumerate(confusion):
+      ax.text(j, i, str(count), ha='center', va='center', fontsize=6,
+              color='white' if fractions[i, j] > 0.5 else 'black')
+  if title:
+    ax.set_title(title, fontsize=9)
+  return _save(fig, path)
+
+
 __all__ = (
     'CLASS_NAMES',
     'PERTURBATION_STEPS',
@@ -729,6 +770,7 @@ __all__ = (
     'assignment_figure',
     'attack_accuracy_figure',
     'capsnet_routing',
+    'confusion_figure',
     'coupling_figure',
     'em_class_routing',
     'model_outputs',

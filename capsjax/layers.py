@@ -208,7 +208,8 @@ class PrimaryCapsules(nnx.Module):
   """Convolutional primary capsules: conv, group channels, squash.
 
   [B, H, W, in_features] -> [B, H'*W'*num_types, dim] with H' = (H - K) //
-  stride + 1; capsules ordered (row, column, type).
+  stride + 1 ('VALID' ``padding``) or ceil(H / stride) ('SAME': the
+  official CIFAR-10 model's); capsules ordered (row, column, type).
 
   Two forms (``form``):
   - 'text' (the paper's text: "no routing"): squash(conv(x) + b).
@@ -229,6 +230,7 @@ class PrimaryCapsules(nnx.Module):
                kernel_size: int = 9, stride: int = 2, *,
                conv_impl: str | None = None, squash_constant: float = 1.0,
                form: str = 'text', leaky: bool = False,
+               padding: str = 'VALID',
                kernel_init=_default_kernel_init, bias_init: float = 0.0,
                rngs: nnx.Rngs):
     _check_positive_int('num_types', num_types)
@@ -238,8 +240,8 @@ class PrimaryCapsules(nnx.Module):
     self.squash_constant = squash_constant
     self.form, self.leaky = form, leaky
     self.conv = Conv2D(in_features, num_types * dim, kernel_size, stride,
-                       conv_impl=conv_impl, kernel_init=kernel_init,
-                       bias_init=bias_init,
+                       padding=padding, conv_impl=conv_impl,
+                       kernel_init=kernel_init, bias_init=bias_init,
                        scale=self.coupling if form == 'official' else 1.0,
                        rngs=rngs)
 

@@ -113,9 +113,12 @@ class _MLP(nnx.Module):
 class CapsNet(nnx.Module):
   """CapsNet (Sabour et al. 2017): Conv1, PrimaryCaps, DigitCaps, decoder.
 
-  Conv1 ReLU (stride 1, VALID) -> PrimaryCapsules (VALID, stride 2) ->
-  DenseCapsules with dynamic routing and the official learned bias ->
-  optional decoder FC 512 ReLU -> FC 1024 ReLU -> FC H*W*C sigmoid.
+  Conv1 ReLU (stride 1) -> PrimaryCapsules (stride 2) -> DenseCapsules with
+  dynamic routing and the official learned bias -> optional decoder FC 512
+  ReLU -> FC 1024 ReLU -> FC H*W*C sigmoid. Both convolutions take
+  ``padding``: 'VALID' (the paper's MNIST model) or 'SAME' (the official
+  code's CIFAR-10 model, ``padding=SAME`` in its README's command: 24x24
+  inputs keep a 24x24 Conv1 grid and a 12x12 primary grid).
 
   ``form`` picks what the primary capsules compute and how the layers start:
   - 'official': the official code's model (Sarasra/models,
@@ -147,8 +150,8 @@ class CapsNet(nnx.Module):
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = True, reconstruction: bool = True,
                decoder_widths: Sequence[int] = (512, 1024),
-               form: str = 'text', conv_impl: str | None = None,
-               rngs: nnx.Rngs):
+               form: str = 'text', padding: str = 'VALID',
+               conv_impl: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
     # Named here, not by the layer's own argument names.
     for name, value in (('num_classes', num_classes),
@@ -173,12 +176,12 @@ class CapsNet(nnx.Module):
     else:
       init = conv1_init = {}
     self.conv1 = layers.Conv2D(channels, conv1_channels, conv1_kernel, 1,
-                               rngs=rngs, **conv1_init)
+                               padding=padding, rngs=rngs, **conv1_init)
     grid = (self.conv1.output_size(height), self.conv1.output_size(width))
     self.primary = layers.PrimaryCapsules(
         conv1_channels, primary_types, primary_dim, primary_kernel,
         primary_stride, conv_impl=conv_impl, form=form, leaky=leaky,
-        rngs=rngs, **init)
+        padding=padding, rngs=rngs, **init)
     num_primary = self.primary.num_capsules(*grid)
     self.digit = layers.DenseCapsules(
         num_primary, primary_dim, num_classes, digit_dim, num_iterations,

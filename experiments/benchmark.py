@@ -140,8 +140,9 @@ ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
     # Class capsules of that model: 4x4 grid x 32 types = 512 -> 5 classes.
     'em_class': ('em', lambda b: (b, 512, 5, 16)),
 }
-# smallNORB is stored at 48x48 (capsjax.data.smallnorb); steps crop it to 32.
-_SMALLNORB_STORED_SIZE = 48
+# Datasets stored larger than the model's input: smallNORB at 48x48
+# (capsjax.data.smallnorb), CIFAR-10 at 32x32; the steps crop them.
+_STORED_SIZES = {'smallnorb': 48, 'cifar10': 32}
 _DEFAULT_IMAGE_SIZE = 28  # models without an input_shape (any size)
 _ROUTING_BATCH_SIZE = 32
 
@@ -213,8 +214,8 @@ def image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
   else:
     size = config.get('image_size') or _DEFAULT_IMAGE_SIZE
     height, width, channels = size, size, options['input_channels']
-  if config.dataset == 'smallnorb':
-    height = width = _SMALLNORB_STORED_SIZE
+  if config.dataset in _STORED_SIZES:
+    height = width = _STORED_SIZES[config.dataset]
   return height, width, channels
 
 

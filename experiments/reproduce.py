@@ -12,7 +12,9 @@ Suites:
          two-digit test, MultiMNIST, then the rest (``--list`` shows them).
          smallNORB runs where --smallnorb_dir is given; affNIST tests on
          the real affNIST where --affnist_dir is given, on affine-transformed
-         MNIST otherwise.
+         MNIST otherwise. Last, section 7's other datasets, each where its
+         directory is given: CapsNet on smallNORB (--smallnorb_dir), SVHN
+         (--svhn_dir) and CIFAR-10, an ensemble of 7 (--cifar10_dir).
   smoke  the same experiments at their ``:smoke`` size (minutes on a CPU).
   bench  every model's train and eval images/s, compile time and peak
          memory, float32 and bfloat16 (``experiments.benchmark``), and the
@@ -79,7 +81,13 @@ _AFFNIST_DIR = flags.DEFINE_string(
     'affNIST experiment tests on affine-transformed MNIST.')
 _SMALLNORB_DIR = flags.DEFINE_string(
     'smallnorb_dir', '', 'Directory of the six smallNORB files; without it '
-    'the smallNORB experiment is skipped.')
+    'the smallNORB experiments (matrix capsules, CapsNet) are skipped.')
+_CIFAR10_DIR = flags.DEFINE_string(
+    'cifar10_dir', '', "Directory of CIFAR-10's binary (or python) release; "
+    'without it the CIFAR-10 ensemble is skipped.')
+_SVHN_DIR = flags.DEFINE_string(
+    'svhn_dir', '', "Directory of SVHN's train_32x32.mat and test_32x32.mat; "
+    'without it the SVHN experiment is skipped.')
 _BENCH_STEPS = flags.DEFINE_integer(
     'bench_steps', 20, 'Timed steps per benchmark row (--suite=bench).',
     lower_bound=1)
@@ -107,6 +115,8 @@ class Options(NamedTuple):
   affnist_dir: str = ''
   smallnorb_dir: str = ''
   bench_steps: int = 20
+  cifar10_dir: str = ''
+  svhn_dir: str = ''
 
 
 class Experiment(NamedTuple):
@@ -316,7 +326,70 @@ def _experiments(suite: str) -> list[Experiment]:
                                 'Matrix capsules, smallNORB', '1.8%')],
       needs=lambda options: '' if options.smallnorb_dir else
       'skipped: no --smallnorb_dir'))
-  return experiments
+  return experiments + _other_datasets(smoke)
+
+
+def _ensemble_rows(workdir: str) -> list[dict[str, Any]]:
+  """The ensemble's row and its models' mean, from ensemble_summary.json."""
+  record = _read(os.path.join(workdir, 'ensemble_summary.json'))
+  models = record['models']
+  paper = record.get('paper_test_error')
+  base = {'metric': 'test error', 'steps': models[0]['steps'],
+          'epochs': models[0]['epochs'],
+          'images_per_s': record.get('train_images_per_s'),
+          'device': record.get('device'), 'commit': record.get('git_commit')}
+  mean = lambda values: (  # noqa: E731
+      None if None in values else sum(values) / len(values))
+  return [
+      base | {'row': f'CapsNet, CIFAR-10, ensemble of {len(models)}',
+              'paper': '-' if paper is None else f'{100 * paper:.1f}%',
+              'test': record['test']['error'],
+              'validation': (record.get('validation') or {}).get('error')},
+      base | {'row': f'CapsNet, CIFAR-10, one model (mean of {len(models)})',
+              'paper': '-',
+              'test': mean([m['test']['error'] for m in models]),
+              'validation': mean([(m.get('validation') or {}).get('error')
+                                  for m in models])}]
+
+
+def _other_datasets(smoke: bool) -> list[Experiment]:
+  """Sabour et al. section 7: CapsNet on smallNORB, SVHN and CIFAR-10 (an
+  ensemble), each run where its data directory is given."""
+  variant = ':smoke' if smoke else ''
+
+  def args(spec: str, field: str, placeholder: str):
+    # (without the directory the experiment is skipped; --list shows where
+    # it goes)
+    return lambda workdir, options: [
+        f'--workdir={workdir}',
+        f'--config={os.path.join(launcher.CONFIG_DIR, spec + variant)}',
+        f'--config.data_dir={getattr(options, field) or placeholder}']
+
+  def needs(field: str):
+    return lambda options: ('' if getattr(options, field) else
+                            f'skipped: no --{field}')
+
+  def single(title: str, paper: str, spec: str):
+    return lambda workdir: [_run_row(
+        _read(os.path.join(workdir, 'summary.json')),
+        title + (f' (reduced: {spec}{variant})' if smoke else ''), paper)]
+
+  return [
+      Experiment('capsnet_smallnorb', 'experiments.capsnet_mnist',
+                 args('capsnet_smallnorb.py', 'smallnorb_dir',
+                      'SMALLNORB_DIR'), 'summary.json',
+                 single('CapsNet, smallNORB', '2.7%', 'capsnet_smallnorb.py'),
+                 needs=needs('smallnorb_dir')),
+      Experiment('capsnet_svhn', 'experiments.capsnet_mnist',
+                 args('capsnet_svhn.py', 'svhn_dir', 'SVHN_DIR'),
+                 'summary.json',
+                 single('CapsNet, SVHN', '4.3%', 'capsnet_svhn.py'),
+                 needs=needs('svhn_dir')),
+      Experiment('capsnet_cifar10', 'experiments.capsnet_ensemble',
+                 args('capsnet_cifar10.py', 'cifar10_dir', 'CIFAR10_DIR'),
+                 'ensemble_summary.json', _ensemble_rows,
+                 needs=needs('cifar10_dir')),
+  ]
 
 
 # --suite=bench: (config, batch size) of every shipped model; 0 is the
@@ -726,10 +799,13 @@ def main(argv):
   # working directory.
   absolute = lambda path: path and os.path.abspath(path)  # noqa: E731
   options = Options(absolute(_DATA_DIR.value), absolute(_AFFNIST_DIR.value),
-                    absolute(_SMALLNORB_DIR.value), _BENCH_STEPS.value)
+                    absolute(_SMALLNORB_DIR.value), _BENCH_STEPS.value,
+                    absolute(_CIFAR10_DIR.value), absolute(_SVHN_DIR.value))
   for flag, path in (('data_dir', options.data_dir),
                      ('affnist_dir', options.affnist_dir),
-                     ('smallnorb_dir', options.smallnorb_dir)):
+                     ('smallnorb_dir', options.smallnorb_dir),
+                     ('cifar10_dir', options.cifar10_dir),
+                     ('svhn_dir', options.svhn_dir)):
     if path and not os.path.isdir(path):
       launcher.usage_error(ValueError(f'--{flag}={path} is not a directory.'))
   for flag, path in (('readme', _README.value),

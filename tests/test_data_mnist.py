@@ -162,7 +162,7 @@ def test_tfds_source_without_tfds(no_tfds):
 
 def test_bad_arguments():
   with pytest.raises(ValueError, match='unknown dataset'):
-    load_dataset('cifar10')
+    load_dataset('imagenet')
   with pytest.raises(TypeError, match='no options'):
     load_dataset('mnist', data_dir=MNIST_DIR, stereo=True)
   with pytest.raises(ValueError, match='source'):

@@ -189,7 +189,9 @@ def test_paper_suite_order_and_data_flags():
   # MNIST, the two-digit test, MultiMNIST, then the rest.
   assert names[:4] == ['capsnet_mnist', 'matrix_capsnet_mnist',
                        'two_digit_transfer', 'multimnist']
-  assert len(names) == len(set(names)) == 12
+  # Section 7's other datasets last, each only with its directory.
+  assert names[-3:] == ['capsnet_smallnorb', 'capsnet_svhn', 'capsnet_cifar10']
+  assert len(names) == len(set(names)) == 15
   commands = {e.name: _flags(reproduce.command(e, '/w', options))
               for e in experiments}
   assert commands['affnist']['config.affnist_dir'] == '/affnist'
@@ -202,6 +204,24 @@ def test_paper_suite_order_and_data_flags():
   smallnorb = experiments[names.index('smallnorb')]
   assert smallnorb.needs(reproduce.Options()).startswith('skipped')
   assert smallnorb.needs(options) == ''
+
+
+def test_section_7_rows_need_their_directories():
+  options = reproduce.Options(smallnorb_dir='/norb', cifar10_dir='/cifar',
+                              svhn_dir='/svhn')
+  for suite, variant in (('paper', ''), ('smoke', ':smoke')):
+    by_name = {e.name: e for e in reproduce.suite_experiments(suite)}
+    for name, module, directory, flag in (
+        ('capsnet_smallnorb', 'capsnet_mnist', '/norb', 'smallnorb_dir'),
+        ('capsnet_svhn', 'capsnet_mnist', '/svhn', 'svhn_dir'),
+        ('capsnet_cifar10', 'capsnet_ensemble', '/cifar', 'cifar10_dir')):
+      experiment = by_name[name]
+      assert experiment.module == f'experiments.{module}'
+      flags = _flags(reproduce.command(experiment, '/w', options))
+      assert flags['config.data_dir'] == directory
+      assert flags['config'].endswith(f'{name}.py{variant}')
+      assert experiment.needs(options) == ''
+      assert experiment.needs(reproduce.Options()) == f'skipped: no --{flag}'
 
 
 def test_bench_rows_give_the_fraction_of_the_device_peak(tmp_path):
@@ -261,7 +281,8 @@ def test_help_and_bad_flags_are_one_line(tmp_path):
   result = _cli('--help')
   assert result.returncode in (0, 1), result.stderr
   for flag in ('--workdir', '--suite', '--only', '--max_seconds',
-               '--data_dir', '--affnist_dir', '--smallnorb_dir', '--list'):
+               '--data_dir', '--affnist_dir', '--smallnorb_dir',
+               '--cifar10_dir', '--svhn_dir', '--list'):
     assert flag in result.stdout, flag
   for args, message in (
       ((), '--workdir is required'),
@@ -371,8 +392,11 @@ def test_smoke_suite_stops_on_sigterm_resumes_and_finishes(tmp_path):
   assert set(state) == set(names)
   table = open(workdir / 'REPRODUCTION.md').read()
   for name in names:
-    if name == 'smallnorb':
+    if name in ('smallnorb', 'capsnet_smallnorb'):
       assert state[name]['status'] == 'skipped: no --smallnorb_dir'
+      continue
+    if name in ('capsnet_svhn', 'capsnet_cifar10'):
+      assert state[name]['status'].startswith('skipped: no --'), name
       continue
     assert state[name]['status'] == 'finished', (name, state[name])
     assert state[name]['rows'], name

@@ -1,4 +1,6 @@
-"""Datasets -> host arrays -> batches: MNIST, Fashion-MNIST, smallNORB, affNIST.
+"""Datasets -> host arrays -> batches: MNIST, Fashion-MNIST, smallNORB, affNIST,
+CIFAR-10, SVHN and your own images (a folder of class subfolders, a .npz, a
+TFDS dataset).
 
 Loaders return uint8 ``[N, H, W, C]`` images and int32 labels in host memory
 (``Dataset`` of ``Split``); augmentation and preprocessing are pure jit-able
@@ -13,10 +15,21 @@ from capsjax.data.augment import place_on_canvas
 from capsjax.data.augment import random_shift
 from capsjax.data.augment import shift
 from capsjax.data.augment import to_float
+from capsjax.data.cifar10 import cifar10_eval_preprocess
+from capsjax.data.cifar10 import cifar10_train_preprocess
+from capsjax.data.cifar10 import read_cifar_binary
+from capsjax.data.cifar10 import read_cifar_pickle
+from capsjax.data.cifar10 import write_cifar_binary
+from capsjax.data.cifar10 import write_cifar_pickle
 from capsjax.data.idx import DataError
 from capsjax.data.idx import Dataset
 from capsjax.data.idx import Split
 from capsjax.data.idx import read_idx
+from capsjax.data.images import ImageOptions
+from capsjax.data.images import OwnImages
+from capsjax.data.images import read_cached
+from capsjax.data.images import read_images
+from capsjax.data.images import stratified_split
 from capsjax.data.mnist import load_dataset
 from capsjax.data.multimnist import multimnist_batch
 from capsjax.data.multimnist import multimnist_test_set
@@ -28,6 +41,8 @@ from capsjax.data.smallnorb import smallnorb_multicrop
 from capsjax.data.smallnorb import smallnorb_train_draws
 from capsjax.data.smallnorb import smallnorb_train_preprocess
 from capsjax.data.smallnorb import write_norb_matrix
+from capsjax.data.svhn import read_svhn_mat
+from capsjax.data.svhn import write_svhn_mat
 from capsjax.data.two_digits import PAIR_LAYOUTS
 from capsjax.data.two_digits import blank_fields
 from capsjax.data.two_digits import digit_pairs
@@ -36,11 +51,15 @@ __all__ = (
     'PAIR_LAYOUTS',
     'DataError',
     'Dataset',
+    'ImageOptions',
+    'OwnImages',
     'Split',
     'affine_mnist',
     'affnist_files',
     'blank_fields',
     'center_crop',
+    'cifar10_eval_preprocess',
+    'cifar10_train_preprocess',
     'combine_crop_activations',
     'digit_pairs',
     'load_affnist',
@@ -49,14 +68,23 @@ __all__ = (
     'multimnist_test_set',
     'place_on_canvas',
     'random_shift',
+    'read_cifar_binary',
+    'read_cifar_pickle',
+    'read_cached',
     'read_idx',
+    'read_images',
     'read_norb_matrix',
+    'read_svhn_mat',
     'shift',
     'smallnorb_distort',
     'smallnorb_eval_preprocess',
     'smallnorb_multicrop',
     'smallnorb_train_draws',
     'smallnorb_train_preprocess',
+    'stratified_split',
     'to_float',
+    'write_cifar_binary',
+    'write_cifar_pickle',
     'write_norb_matrix',
+    'write_svhn_mat',
 )

@@ -259,6 +259,8 @@ SOURCES = {
     'MNIST': 'http://yann.lecun.com/exdb/mnist/',
     'Fashion-MNIST': 'https://github.com/zalandoresearch/fashion-mnist',
     'smallNORB': 'https://cs.nyu.edu/~ylclab/data/norb-v1.0-small/',
+    'CIFAR-10': 'https://www.cs.toronto.edu/~kriz/cifar.html',
+    'SVHN': 'http://ufldl.stanford.edu/housenumbers/',
 }
 # tensorflow-datasets, from PyPI or from a source checkout of capsjax.
 TFDS_INSTALL = "pip install 'capsjax[tfds]' (from a checkout: pip install -e '.[tfds]')"
@@ -301,3 +303,14 @@ def import_tfds(name: str):
         f'${DATA_DIR_ENV}.') from e
   return tfds
 
+
+def load_tfds_supervised(name: str) -> tuple[Split, Split]:
+  """The train and test splits of TFDS dataset ``name`` as (image, label)
+  pairs: uint8 ``[N, H, W, C]`` images, int32 ``[N]`` labels."""
+  tfds = import_tfds(name)
+  splits = []
+  for split in ('train', 'test'):
+    images, labels = tfds.as_numpy(tfds.load(
+        name, split=split, batch_size=-1, as_supervised=True))
+    splits.append(Split(images.astype(np.uint8), labels.astype(np.int32)))
+  return splits[0], splits[1]

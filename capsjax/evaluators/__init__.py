@@ -19,7 +19,9 @@ Evaluators: ``classification`` (a split of the run's own dataset),
 ``affine`` (affine-transformed MNIST test digits or the affNIST test set),
 ``two_digit_pairs`` (Su's two-digit test), ``multimnist_figure`` (Sabour et
 al. Fig. 5), ``attacks`` (FGSM and BIM), ``reconstructions`` (Sabour et al.
-Figs. 3 and 4) and ``routing_picture`` (couplings or EM assignments).
+Figs. 3 and 4), ``routing_picture`` (couplings or EM assignments),
+``ensemble`` (several trained models' class scores averaged) and
+``confusion`` (per-class accuracy and the confusion matrix).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Modules, one concern each:
   dynamic, em  the two families: losses and jittable steps.
   runs         ``train(config, workdir)`` by the model's family;
                ``load_context(workdir)`` for the evaluators.
+  own_images   a run on your own images (shapes from the data, the
+               memory checked first); ``predict`` on new image files.
+  memory       a step's peak memory from its traced program.
 """
 
 from capsjax.training.checkpoints import Checkpointer
@@ -22,6 +25,7 @@ from capsjax.training.loop import check_config
 from capsjax.training.loop import fit
 from capsjax.training.metrics import environment
 from capsjax.training.metrics import write_json_atomic
+from capsjax.training.own_images import predict
 from capsjax.training.runs import family
 from capsjax.training.runs import load_context
 from capsjax.training.runs import train
@@ -39,6 +43,7 @@ __all__ = (
     'fit',
     'load_context',
     'load_trained_model',
+    'predict',
     'read_workdir_config',
     'train',
     'write_json_atomic',

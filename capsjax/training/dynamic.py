@@ -15,6 +15,11 @@ Two experiments of Sabour et al. section 6 train here too:
 - Digits on a canvas (``config.canvas_size = 40``, the affNIST training
   set): each training digit is placed at random on a black canvas inside
   the step; validation and test digits are placed once, by a fixed key.
+
+And the section 7 datasets, each with its input pipeline on the device
+(``preprocess``): CIFAR-10 and smallNORB as the official code reads them
+(random crops, brightness, contrast, standardisation; CIFAR-10's flips),
+SVHN as the digits (pixels in [0, 1], random shifts).
 """
 
 from __future__ import annotations
@@ -68,9 +73,39 @@ def dynamic_loss(outputs: dict[str, jax.Array], images: jax.Array,
   return loss, metrics
 
 
-def to_float_inputs(images: jax.Array) -> jax.Array:
-  """uint8 images -> the model's float inputs in [0, 1] at evaluation."""
-  return state_lib.digit_inputs(images, None, 0)
+def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
+               key: jax.Array | None) -> jax.Array:
+  """uint8 images [B, H, W, C] -> the model's float32 inputs, for training
+  (``key`` given) or evaluation (None), by ``config.dataset``.
+
+  'cifar10': the official code's input (``data.cifar10_train_preprocess``):
+  a random crop of the model's input size, a flip (``config.random_flip``),
+  brightness, contrast, per-image standardisation of pixels in [0,
+  ``config.pixel_max``]; evaluation the central crop, standardised.
+  'smallnorb': the official code's smallNORB input with the EM family's
+  functions (``data.smallnorb_train_preprocess`` with
+  ``config.augment_order`` and ``config.pixel_max``; evaluation the central
+  crop, standardised).
+  Otherwise the digits' input: pixels in [0, 1], shifted by up to
+  ``config.max_shift`` pixels in training (``state.digit_inputs``).
+  """
+  if config.dataset not in ('cifar10', 'smallnorb'):
+    return state_lib.digit_inputs(images, key, config.max_shift)
+  # Crops of the model's input size: the config states it once.
+  crop = config.model_options.input_shape[0]
+  if config.dataset == 'cifar10':
+    if key is None:
+      return data_lib.cifar10_eval_preprocess(images, crop_size=crop,
+                                              pixel_max=config.pixel_max)
+    return data_lib.cifar10_train_preprocess(
+        key, images, crop_size=crop, flip=config.random_flip,
+        pixel_max=config.pixel_max)
+  if key is None:
+    return data_lib.smallnorb_eval_preprocess(images, crop_size=crop,
+                                              pixel_max=config.pixel_max)
+  return data_lib.smallnorb_train_preprocess(
+      key, images, crop_size=crop, order=config.augment_order,
+      pixel_max=config.pixel_max)
 
 
 def make_steps(config: ml_collections.ConfigDict,
@@ -80,9 +115,10 @@ def make_steps(config: ml_collections.ConfigDict,
 
   canvas_size = config.get('canvas_size') or 0
   dtype = state_lib.compute_dtype(config)
+  eval_inputs = lambda images: preprocess(config, images, None)  # noqa: E731
 
   def train_step(graphdef, state: state_lib.TrainState, images, labels, key):
-    images = state_lib.digit_inputs(images, key, config.max_shift)
+    images = preprocess(config, images, key)
     if canvas_size:
       images = data_lib.place_on_canvas(jax.random.fold_in(key, 1), images,
                                         canvas_size)
@@ -96,7 +132,7 @@ def make_steps(config: ml_collections.ConfigDict,
     return state_lib.gradient_step(graphdef, state, optimizer, loss_fn, dtype)
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
-    images = to_float_inputs(images)
+    images = eval_inputs(images)
     model = nnx.merge(graphdef, state_lib.cast_floating(params, dtype),
                       model_state)
     outputs = state_lib.forward(model, images, dtype, train=False)
@@ -105,7 +141,7 @@ def make_steps(config: ml_collections.ConfigDict,
     return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
             'count': jnp.sum(mask)}
 
-  return state_lib.FamilySteps(train_step, eval_step, to_float_inputs)
+  return state_lib.FamilySteps(train_step, eval_step, eval_inputs)
 
 
 # ----------------------------------------------------------------------------
@@ -293,9 +329,12 @@ def load_data(config: ml_collections.ConfigDict) -> data_lib.Dataset:
   """The dataset of a run: ``config.dataset``, on a canvas if asked."""
   if config.dataset == 'multimnist':
     return multimnist_dataset(config)
+  options = {}
+  if config.dataset == 'smallnorb':
+    options = {'stereo': config.stereo, 'downsample': config.downsample}
   dataset = data_lib.load_dataset(
       config.dataset, data_dir=config.data_dir or None,
-      validation_size=config.validation_size)
+      validation_size=config.validation_size, **options)
   canvas_size = config.get('canvas_size') or 0
   if canvas_size:
     seed = config.eval_set_seed

@@ -1,5 +1,7 @@
 """Runs by config and by workdir: the family trainer of a model, and a
-trained workdir opened for the evaluators."""
+trained workdir opened for the evaluators. A run on your own images
+(``config.dataset == own_images.DATASET``) goes through ``own_images``,
+which takes the model's shapes from the data."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from capsjax import models
 from capsjax.training import checkpoints
 from capsjax.training import dynamic
 from capsjax.training import em
+from capsjax.training import own_images
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import make_mesh
 from capsjax.training.state import make_optimizer
@@ -33,6 +36,8 @@ def family(config: ml_collections.ConfigDict) -> types.ModuleType:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train ``config`` in ``workdir`` with its family's trainer; the summary."""
+  if config.dataset == own_images.DATASET:
+    return own_images.train_and_evaluate(config, workdir, family(config))
   return family(config).train_and_evaluate(config, workdir)
 
 
@@ -56,4 +61,7 @@ def load_context(workdir: str, which: str = 'selected',
   return evaluators.Context(
       model=nnx.merge(graphdef, state.params, state.model_state),
       config=config, workdir=workdir, evaluate_split=evaluate_split,
-      eval_inputs=steps.eval_inputs, load_dataset=lambda: trainer.load_data(config))
+      eval_inputs=steps.eval_inputs, load_dataset=(
+          functools.partial(own_images.load_data, config, workdir)
+          if config.dataset == own_images.DATASET
+          else lambda: trainer.load_data(config)))
