@@ -638,13 +638,14 @@ def list_models() -> tuple[str, ...]:
 
 def model_options(name: str) -> dict[str, object]:
   """The options of model ``name`` and their defaults."""
-  cls = _model_class(name)
+  cls = model_class(name)
   return {p.name: p.default
           for p in inspect.signature(cls.__init__).parameters.values()
           if p.kind == p.KEYWORD_ONLY and p.name != 'rngs'}
 
 
-def _model_class(name: str) -> type[nnx.Module]:
+def model_class(name: str) -> type[nnx.Module]:
+  """The class behind registry name ``name`` (ValueError if unknown)."""
   if name not in _MODELS:
     raise ValueError(
         f'unknown model {name!r}; valid names: {", ".join(list_models())}.')
@@ -658,7 +659,7 @@ def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
   ones) or an invalid value (non-positive widths, zero iterations, a kernel
   larger than its input grid, ...).
   """
-  cls = _model_class(name)
+  cls = model_class(name)
   valid = model_options(name)
   unknown = sorted(set(options) - set(valid))
   if unknown:
@@ -694,5 +695,6 @@ __all__ = (
     'count_params',
     'create_model',
     'list_models',
+    'model_class',
     'model_options',
 )

@@ -207,23 +207,69 @@ def _key_comments(path: str) -> dict[str, str]:
   return meanings
 
 
+def _option_meaning(key: str, flat: dict, models) -> str:
+  """``[PREFIX.]model_options.OPTION`` -> which model's option it is."""
+  prefix, _, option = key.partition('model_options.')
+  model = flat.get(f'{prefix}model')
+  if '.' in option or model not in models.list_models():
+    return ''
+  default = models.model_options(model).get(option, '?')
+  return (f'option {option} of capsjax.models.'
+          f'{models.model_class(model).__name__} (default {default!r}; its '
+          f'docstring says what it does)')
+
+
+def key_meaning(key: str, meanings: dict[str, str], flat: dict, models
+                ) -> str:
+  """The meaning of a flattened config key: its own comment, else that of
+  the longest suffix that has one (``capsnet.learning_rate`` is a
+  ``learning_rate``), else a model option's or an evaluator option's."""
+  parts = key.split('.')
+  for i in range(len(parts)):
+    suffix = '.'.join(parts[i:])
+    if suffix in meanings:
+      return meanings[suffix]
+    if suffix.startswith('model_options.'):
+      meaning = _option_meaning('.'.join(parts[:i]) + ('.' if i else '') +
+                                suffix, flat, models)
+      if meaning:
+        return meaning
+  if len(parts) >= 3 and '.'.join(parts[:1]) in meanings:
+    # A field of a dict-valued key (e.g. runs.NAME.num_epochs): the
+    # dict's own comment says what its fields are.
+    return f'a field of {parts[0]}: {meanings[parts[0]]}'
+  if parts[0] == 'evals' and len(parts) >= 3:
+    kind = flat.get(f'evals.{parts[1]}.type', '?')
+    return (f'option {parts[-1]} of the {parts[1]!r} evaluation (type '
+            f'{kind!r}: capsjax.evaluators.{kind})')
+  return ''
+
+
 def config_description(config, config_file: str) -> str:
   """The config file's docstring, then every key with its value (overrides
-  applied) and its meaning where a comment in the config files gives one."""
+  applied) and its meaning from the comments of the config files."""
   import ast
+  import glob
   import json
   # ml_collections returns the flag's value, variant included.
   config_file = re.sub(r'(\.py):[^/]*$', r'\1', config_file)
   with open(config_file) as f:
     doc = ast.get_docstring(ast.parse(f.read())) or ''
-  meanings = _key_comments(os.path.join(CONFIG_DIR, 'common.py'))
+  # A key's meaning is where it is defined: common.py for the shared keys
+  # (a config's comments there explain its value, which a variant may
+  # change), else this config file, else the configs it builds on.
+  meanings = {}
+  for path in sorted(glob.glob(os.path.join(CONFIG_DIR, '*.py'))):
+    meanings.update(_key_comments(path))
   meanings.update(_key_comments(config_file))
-  from capsjax.training import metrics  # imports jax: after the flags
+  meanings.update(_key_comments(os.path.join(CONFIG_DIR, 'common.py')))
+  from capsjax import models  # imports jax: after the flags
+  from capsjax.training import metrics
   lines = [doc, '', f'Keys of {config_file} (override with '
            f'--config.KEY=VALUE):']
-  keys = metrics.flat_config(json.loads(config.to_json_best_effort()))
-  for name, value in keys.items():
-    meaning = meanings.get(name, '')
+  flat = metrics.flat_config(json.loads(config.to_json_best_effort()))
+  for name, value in flat.items():
+    meaning = key_meaning(name, meanings, flat, models)
     lines.append(f'  {name} = {json.dumps(value)}' +
                  (f'  # {meaning}' if meaning else ''))
   return '\n'.join(lines)

@@ -6,6 +6,7 @@ on the reproduction suite's smoke run), and a run killed with SIGKILL must
 resume and end with the parameters of an uninterrupted run.
 """
 
+import importlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from capsjax.training import checkpoints
 from capsjax.training import dynamic
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from experiments import launcher
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 from tests import conftest
@@ -648,3 +650,25 @@ def test_a_wrong_key_or_config_says_what_there_is(tmp_path, args, message):
   assert out.returncode == 2 and message in out.stderr, out.stderr
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
   assert not (tmp_path / 'w').exists()
+
+
+@pytest.mark.parametrize('config_file', sorted(
+    f for f in os.listdir(launcher.CONFIG_DIR)
+    if f.endswith('.py') and f not in ('common.py', '__init__.py')))
+def test_config_help_gives_every_key_a_meaning(config_file):
+  """--config_help explains every key of every shipped config; a shared key
+  is explained where it is defined, not by a variant's comment on its
+  value."""
+  module = importlib.import_module(f'experiments.configs.{config_file[:-3]}')
+  text = launcher.config_description(
+      module.get_config('smoke'), os.path.join(launcher.CONFIG_DIR,
+                                               config_file))
+  keys = [line for line in text.splitlines()
+          if line.startswith('  ') and not line.startswith('   ')
+          and ' = ' in line]
+  assert keys and all('  # ' in line for line in keys), [
+      line for line in keys if '  # ' not in line]
+  for line in keys:
+    if line.split(' = ')[0].strip() == 'num_train_steps':
+      assert line.endswith('# Training steps in all (a rerun with more '
+                           'continues).'), line

@@ -48,14 +48,22 @@ def _tiny(config, **model_options):
 
 def get_config(variant: str = ''):
   config = ml_collections.ConfigDict()
+  # L-infinity budgets of the attacks, in pixel units of [0, 1].
   config.epsilons = (0.0, 0.05, 0.1, 0.2, 0.3)
+  # Which attacks: 'fgsm' (one step) and 'bim' (iterated).
   config.attacks = ('fgsm', 'bim')
+  # BIM's step, in pixel units.
   config.bim_step_size = 0.02
+  # BIM's number of steps.
   config.bim_steps = 20
+  # The loss the attacks ascend: 'family' (each model's own training loss)
+  # or 'cross_entropy' (on its class scores).
   config.loss = 'family'
+  # Test images attacked.
   config.num_examples = 1000
   config.batch_size = 100
   config.data_dir = ''
+  # Models to train first when no --models are given (name -> config).
   config.train = ml_collections.ConfigDict()
   for part in filter(None, variant.split(',')):
     if part in ('smoke', 'small'):

@@ -44,6 +44,7 @@ def training_config(model: str) -> ml_collections.ConfigDict:
   config.model = model
   # Random placement on the canvas replaces the +-2 pixel shift.
   config.max_shift = 0
+  # Training digits are placed at random on a black canvas of this side.
   config.canvas_size = 40
   # Key of the fixed placements of the validation (this seed) and test (this
   # seed + 1) digits.
@@ -74,7 +75,9 @@ def get_config(variant: str = ''):
   config.data_dir = ''
   # Directory (or file) of the affNIST release; '' skips the real test set.
   config.affnist_dir = ''
+  # MNIST test digits transformed by the affNIST recipe for the test.
   config.affine_test_size = 10_000
+  # Key of those transformations.
   config.affine_seed = 0
   # The CNN's target_accuracy := the CapsNet's best validation accuracy.
   config.match_capsnet = True

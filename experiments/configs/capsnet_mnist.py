@@ -34,6 +34,8 @@ def get_config(variant: str = ''):
   config.model_options.reconstruction = True
   config.model_options.form = 'official'
   config.loss_form = 'official'
+  # The reconstruction loss (the summed squared pixel error) is added to the
+  # margin loss times this (the papers' 0.0005).
   config.reconstruction_weight = 0.0005
   # About 50 epochs of 55k images; the official code trained ~300k steps.
   config.num_train_steps = 21_500

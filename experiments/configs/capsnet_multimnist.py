@@ -52,7 +52,9 @@ def get_config(variant: str = ''):
   # The MultiMNIST shift of each digit (the only augmentation).
   config.max_shift = 4
   config.num_train_steps = 100_000
+  # Fixed overlaid pairs of the validation digits, to select on.
   config.validation_pairs = 10_000
+  # Fixed overlaid pairs of the test digits, the test set.
   config.test_pairs = 100_000
   # Key of the fixed validation (this seed) and test (this seed + 1) pairs.
   config.eval_set_seed = 0

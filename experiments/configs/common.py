@@ -6,29 +6,47 @@ import ml_collections
 def base_config() -> ml_collections.ConfigDict:
   """Keys every training run reads; each experiment config overrides some."""
   config = ml_collections.ConfigDict()
+  # The data: 'mnist', 'fashion_mnist', 'smallnorb', 'cifar10', 'svhn',
+  # 'multimnist' or 'own_images' (capsjax.data.load_dataset).
   config.dataset = 'mnist'
   # Directory holding the dataset's files; '' searches $CAPSJAX_DATA_DIR, then
   # ../shared/data/<dataset>, then TFDS.
   config.data_dir = ''
+  # Images held out of the end of the training split to select the model on.
   config.validation_size = 5000
+  # The model's registry name (capsjax.models.list_models()).
   config.model = 'capsnet'
+  # Keyword options of that model (capsjax.models.model_options(name)).
   config.model_options = ml_collections.ConfigDict()
   # How the CapsNet margin loss reduces over the classes (losses.margin_loss):
   # 'text' sums them (the paper's text), 'official' takes half their mean
   # (the official code: 1/20 of the sum for 10 classes).
   config.loss_form = 'text'
+  # Seeds the parameters, the batch order and the augmentation.
   config.seed = 0
+  # Training images per step (split over the devices).
   config.batch_size = 128
+  # Images per evaluation batch (no effect on the numbers).
   config.eval_batch_size = 500
+  # Training steps in all (a rerun with more continues).
   config.num_train_steps = 10_000
+  # Adam's learning rate at step 0.
   config.learning_rate = 1e-3
+  # The rate is multiplied by lr_decay_rate every lr_decay_steps steps,
+  # continuously (tf.train.exponential_decay).
   config.lr_decay_steps = 2000
+  # See lr_decay_steps.
   config.lr_decay_rate = 0.96
   # Adam's epsilon: optax's 1e-8 (TF's and Keras' is 1e-7).
   config.adam_epsilon = 1e-8
+  # Training images are shifted by up to this many pixels in each
+  # direction, zero-padded (the papers' MNIST augmentation; 0: none).
   config.max_shift = 2
+  # Steps between metric lines (metrics.jsonl, TensorBoard, the bar).
   config.log_every_steps = 100
+  # Steps between validations (the model is selected on them).
   config.eval_every_steps = 1000
+  # Steps between checkpoints (see also checkpoint_every_seconds).
   config.checkpoint_every_steps = 1000
   # Also save a checkpoint after this many seconds since the last one (0:
   # by steps only), so that a stop loses at most this much training.

@@ -21,6 +21,7 @@ def em_defaults(config):
   config.learning_rate = 3e-3
   config.lr_decay_steps = 20_000
   config.lr_decay_rate = 0.96
+  # The classification loss: 'spread' (Hinton et al. 2018, eq. 3).
   config.loss = 'spread'
   # 'authors': m = 0.2 + 0.79 sigmoid(min(10, step / margin_steps - 4));
   # 'linear': 0.2 -> 0.9 over margin_steps.
@@ -30,6 +31,8 @@ def em_defaults(config):
   # --config.num_train_steps), it ends at 0.896: m(6 * scale) = 0.2 + 0.79
   # sigmoid(2).
   config.margin_steps = config.get_ref('num_train_steps') // 6
+  # The L2 penalty's weight on every kernel and transform (the released
+  # code's 2e-7; l2_form says which sum).
   config.weight_decay = 2e-7
   # How the spread loss reduces over the classes (losses.spread_loss):
   # 'sum' (the paper's eq. 3) or 'mean' (the released code's mean over the
@@ -41,7 +44,11 @@ def em_defaults(config):
   # > 0: clip each gradient element to [-grad_clip, grad_clip] before Adam
   # (the released code: 200); 0: no clipping.
   config.grad_clip = 0.0
+  # smallNORB: both images of each stereo pair as two channels (False: the
+  # first only).
   config.stereo = True
+  # smallNORB: '' the standard split; 'azimuth' or 'elevation' the
+  # paper's novel-viewpoint experiments.
   config.viewpoint_split = ''
   config.model_options.coordinate_addition = True
   # What coordinate addition adds: 'grid', (h + 0.5) / H of the class

@@ -54,10 +54,14 @@ def get_config(variant: str = ''):
   config = common.base_config()
   config.shorter_run = common.smoke_run('two_digit_transfer.py:smoke')
   config.dataset = 'mnist'
+  # Which of ``runs`` to train, in order.
   config.models = ('two_digit_baseline', 'two_digit_capsnet',
                    'two_digit_capsnet_blog_routing')
   config.model = ''  # set per run by the experiment
+  # The convolution widths of the shared trunk of both models.
   config.model_options.trunk_widths = (64, 64, 128, 128)
+  # Per model: its registry name, num_epochs over the training split (or
+  # num_train_steps when > 0) and model options.
   config.runs = ml_collections.ConfigDict({
       'two_digit_baseline': {
           'model': 'two_digit_baseline', 'num_epochs': 20,
@@ -86,6 +90,7 @@ def get_config(variant: str = ''):
                confidence_threshold=0.5)
   config.evals.pairs = dict(pairs, layout='stacked')
   config.evals.side_by_side = dict(pairs, layout='side_by_side')
+  # Pairs drawn in each model's figure.
   config.figure_pairs = 8
   for part in filter(None, variant.split(',')):
     if part == 'smoke':
