@@ -538,7 +538,7 @@ def pair_predictions_figure(images: ArrayLike, labels: ArrayLike,
                             class_names: Sequence[str] | None = None,
                             blank: ArrayLike | None = None, field: int = 14,
                             stride: int = 2):
-  """Two-digit inputs with each model's two highest scores (Su, seed 004).
+  """Two-digit inputs with each model's two highest scores (Su's capsule post).
 
   Under each image, one line per model: its two top classes and their
   scores, green when they are the two true classes and both above

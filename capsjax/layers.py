@@ -144,7 +144,7 @@ def average_pool_2x2(x: jax.Array) -> jax.Array:
   Four strided slices summed, which XLA:CPU fuses with the ReLU before it
   into one loop; a reshape and mean becomes a YNNPACK reduction, for which
   XLA materialises its operands, zeros included (Su's capsule model trained
-  1.02x faster at batch 128 with the slices: BENCHMARKS.md, session 14).
+  1.02x faster at batch 128 with the slices: BENCHMARKS.md).
   Summed in float32 for bfloat16 inputs.
   """
   h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
@@ -303,7 +303,7 @@ class DenseCapsules(nnx.Module):
 
 
 class SharedCapsules(nnx.Module):
-  """Capsule layer whose transform W_j is shared by every input (seed 004).
+  """Capsule layer whose transform W_j is shared by every input (Su's post).
 
   Parameters do not depend on the number of input capsules, so the layer
   accepts any I (any image size). Defaults follow Su's Keras ``Capsule``

@@ -492,7 +492,7 @@ class MatrixCapsNet(nnx.Module):
 
 
 # ----------------------------------------------------------------------------
-# Su's transfer experiment (seed 004).
+# Su's transfer experiment (his 2018 capsule post).
 
 
 def _kernel_init(name: str):

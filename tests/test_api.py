@@ -1,4 +1,4 @@
-"""The public API imports: every name in capsjax.__all__, and the issue's."""
+"""The public API imports: every name in capsjax.__all__, and the documented ones."""
 
 import importlib
 

@@ -185,7 +185,7 @@ def test_paper_suite_order_and_data_flags():
   options = reproduce.Options('/data', '/affnist', '/norb')
   experiments = reproduce.suite_experiments('paper')
   names = [e.name for e in experiments]
-  # The order for scarce GPU time: CapsNet MNIST, matrix capsules
+  # The order for scarce GPU time: CapsNet MNIST, matrix capsules
   # MNIST, the two-digit test, MultiMNIST, then the rest.
   assert names[:4] == ['capsnet_mnist', 'matrix_capsnet_mnist',
                        'two_digit_transfer', 'multimnist']

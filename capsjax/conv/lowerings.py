@@ -35,8 +35,8 @@ CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
 #                                     42-43 s (fastest single run 21.6 s)
 #   space-to-depth + stride-1 conv:   forward 0.8-1.7 s, forward+backward
 #                                     2.5-4.9 s
-# (the issue: 0.78 s forward, 15.8 s backward direct, 2.4 s backward
-# rewritten). Outputs and gradients agree to float32 rounding
+# (another measurement: 0.78 s forward, 15.8 s backward direct, 2.4 s
+# backward rewritten). Outputs and gradients agree to float32 rounding
 # (tests/test_layers.py).
 
 
