@@ -136,7 +136,7 @@ def test_blank_fields_match_a_window_by_window_count():
 
 @needs_mnist
 def test_side_by_side_pairs_leave_far_more_blank_fields_than_stacked():
-  """The reason side by side is harder : Su's trunk (14x14
+  """The reason side by side is harder: Su's trunk (14x14
   windows at stride 2) sees blank windows between the digits."""
   test = load_dataset('mnist', data_dir=MNIST_DIR, validation_size=0).test
   per_layout = {}
