@@ -70,6 +70,50 @@ MUTATIONS = (
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes)",
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes) / votes.shape[-3]",
         ('tests/test_routing.py',)),
+    # The losses.
+    Mutation(
+        'official_margin_not_halved', 'capsjax/losses.py',
+        '    return 0.5 * jnp.mean(present + absent, axis=-1)',
+        '    return jnp.mean(present + absent, axis=-1)',
+        ('tests/test_official_capsnet.py::'
+         'test_official_margin_loss_is_the_text_one_over_twice_the_classes',)),
+    Mutation(
+        'spread_loss_counts_the_target', 'capsjax/losses.py',
+        '  total = jnp.sum(gaps * (1.0 - one_hot), axis=-1)',
+        '  total = jnp.sum(gaps, axis=-1)',
+        ('tests/test_training_em.py::'
+         'test_em_loss_branches_equal_their_definitions',)),
+    # The data pipeline.
+    Mutation(
+        'shift_the_wrong_way', 'capsjax/data/augment.py',
+        '    return jax.lax.dynamic_slice(image, (m - offset[0], m - offset[1], 0),',
+        '    return jax.lax.dynamic_slice(image, (m + offset[0], m + offset[1], 0),',
+        ('tests/test_data_augment.py',)),
+    # Each family's train step.
+    Mutation(
+        'dynamic_step_drops_reconstruction', 'capsjax/training/dynamic.py',
+        "      metrics['reconstruction_loss'] = jnp.mean(reconstruction)\n"
+        '      loss = loss + config.reconstruction_weight * reconstruction\n'
+        '  else:',
+        "      metrics['reconstruction_loss'] = jnp.mean(reconstruction)\n"
+        '      loss = loss + 0.0 * reconstruction\n'
+        '  else:',
+        ('tests/test_official_capsnet.py::'
+         'test_official_capsnet_matches_the_official_code',)),
+    Mutation(
+        'em_step_margin_ignores_the_step', 'capsjax/training/em.py',
+        '      loss = jnp.mean(em_loss(activations, labels, state.step, config))',
+        '      loss = jnp.mean(em_loss(activations, labels, 0, config))',
+        ('tests/test_training_em.py::'
+         'test_train_step_feeds_the_state_step_to_the_loss',)),
+    # Resume.
+    Mutation(
+        'resume_from_scratch', 'capsjax/training/loop.py',
+        '    self.resumed = self.checkpoints.restore_newest_good(self.state, '
+        'self.say)',
+        '    self.resumed = None',
+        ('tests/test_workdir_integrity.py::test_damaged_latest_checkpoint_is_'
+         'said_and_the_run_resumes_from_the_good_one',)),
 )
 
 
