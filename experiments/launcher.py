@@ -146,8 +146,9 @@ def _nearest_keys(spec: str, key: str) -> list[str]:
         yield from flat(value, f'{prefix}{name}.')
       yield f'{prefix}{name}'
   keys = list(flat(config))
-  if 'model' in config:  # every option of the model, set or not
-    from capsjax import models
+  from capsjax import models
+  if config.get('model') in models.list_models():
+    # Every option of the model, set or not.
     keys += [f'model_options.{name}' for name in
              models.model_options(config.model)
              if f'model_options.{name}' not in keys]
