@@ -75,7 +75,7 @@ def training_env() -> dict[str, str]:
 
 def write_mnist_dir(directory, train, test) -> str:
   """The four MNIST IDX files of (images, labels) pairs, uncompressed."""
-  from tests.test_data_idx import idx_bytes
+  from tests.helpers import idx_bytes
   os.makedirs(directory, exist_ok=True)
   for split, arrays in (('train', train), ('t10k', test)):
     for kind, array in zip(('images-idx3', 'labels-idx1'), arrays,

@@ -24,7 +24,7 @@ from experiments.configs import common
 from tests import conftest
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
-from tests.test_data_affnist import write_release_mat
+from tests.helpers import write_release_mat
 
 
 def _digits(seed, n):

@@ -20,6 +20,7 @@ from capsjax.data import load_affnist
 from capsjax.data import read_idx
 from capsjax.data.idx import REPO_ROOT
 from tests.conftest import needs_mnist
+from tests.helpers import write_release_mat
 
 MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
 
@@ -34,20 +35,6 @@ def letter_images(n, start=0):
     images[k, top:top + 20, left] = 200  # vertical stroke
     images[k, top + 19, left:left + 9] = 100 + i  # foot to the right
   return images
-
-
-def write_release_mat(path, images, labels):
-  """Writes a file laid out as the release's: images as the columns of a
-  1600 x N matrix, each in row-major order; labels 1 x N."""
-  n = len(labels)
-  onehot = np.eye(10, dtype=np.uint8)[labels].T
-  scipy_io.savemat(path, {'affNISTdata': {
-      'human_readable_transform': np.zeros((5, n)),
-      'label_int': labels.astype(np.uint8)[None],
-      'image': images.reshape(n, 1600).T,
-      'transform': np.zeros((6, n)),
-      'label_one_of_n': onehot,
-  }})
 
 
 def test_round_trip_keeps_orientation(tmp_path):

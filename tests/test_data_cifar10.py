@@ -23,26 +23,7 @@ from capsjax.data import read_cifar_binary
 from capsjax.data import read_cifar_pickle
 from capsjax.data import write_cifar_binary
 from capsjax.data import write_cifar_pickle
-
-
-def make_release(directory, n_per_batch=6, n_test=8, *, form='binary',
-                 seed=0):
-  """A fake release in ``directory``: image i of the training files is
-  filled with i (as its id) in its red plane."""
-  directory.mkdir(parents=True, exist_ok=True)
-  rng = np.random.default_rng(seed)
-  write = write_cifar_binary if form == 'binary' else write_cifar_pickle
-  train_names, test_name = cifar10.RELEASES[form]
-  images = rng.integers(0, 256, (5 * n_per_batch, 32, 32, 3), dtype=np.uint8)
-  images[..., 0] = np.arange(5 * n_per_batch)[:, None, None]
-  labels = rng.integers(0, 10, 5 * n_per_batch)
-  for k, name in enumerate(train_names):
-    part = slice(k * n_per_batch, (k + 1) * n_per_batch)
-    write(directory / name, images[part], labels[part])
-  test = (rng.integers(0, 256, (n_test, 32, 32, 3), dtype=np.uint8),
-          rng.integers(0, 10, n_test))
-  write(directory / test_name, *test)
-  return (images, labels), test
+from tests.helpers import make_cifar10_release
 
 
 def record_bytes(label, red, green, blue):
@@ -239,7 +220,7 @@ def test_fuzz_pickle_bit_flips(position, bit):
 @pytest.mark.parametrize('form,subdir', [('binary', 'cifar-10-batches-bin'),
                                          ('python', 'cifar-10-batches-py')])
 def test_load_fake_release(tmp_path, form, subdir):
-  (images, labels), test = make_release(tmp_path / subdir, form=form)
+  (images, labels), test = make_cifar10_release(tmp_path / subdir, form=form)
   # The directory above the extracted one, as the official experiment.py
   # takes it.
   data = load_dataset('cifar10', data_dir=tmp_path, validation_size=4)
@@ -261,14 +242,14 @@ def test_load_fake_release(tmp_path, form, subdir):
 
 
 def test_binary_release_is_preferred(tmp_path):
-  make_release(tmp_path, form='python', seed=1)
-  _, test = make_release(tmp_path, form='binary', seed=2)
+  make_cifar10_release(tmp_path, form='python', seed=1)
+  _, test = make_cifar10_release(tmp_path, form='binary', seed=2)
   data = load_dataset('cifar10', data_dir=tmp_path, validation_size=0)
   np.testing.assert_array_equal(data.test.images, test[0])
 
 
 def test_corrupt_file_of_a_release_names_it(tmp_path):
-  make_release(tmp_path)
+  make_cifar10_release(tmp_path)
   bad = tmp_path / 'data_batch_3.bin'
   bad.write_bytes(bad.read_bytes()[:-1])
   with pytest.raises(DataError, match='truncated') as info:
@@ -277,7 +258,7 @@ def test_corrupt_file_of_a_release_names_it(tmp_path):
 
 
 def test_missing_files_are_named(tmp_path, monkeypatch):
-  make_release(tmp_path / 'cifar10')
+  make_cifar10_release(tmp_path / 'cifar10')
   (tmp_path / 'cifar10' / 'data_batch_4.bin').unlink()
   with pytest.raises(FileNotFoundError) as info:
     load_dataset('cifar10', data_dir=tmp_path)

@@ -1,7 +1,6 @@
 """IDX reader: the shared MNIST files, corrupt files, fuzzing."""
 
 import gzip
-import struct
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from capsjax.data.idx import REPO_ROOT
 from capsjax.data.idx import parse_idx
 from capsjax.data.mnist import read_idx_split
 from tests.conftest import needs_mnist
+from tests.helpers import idx_bytes
 
 MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
 
@@ -23,13 +23,6 @@ MNIST_DIR = REPO_ROOT.parent / 'shared' / 'data' / 'mnist'
 TRAIN_HISTOGRAM = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 TEST_HISTOGRAM = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 TRAIN_PIXEL_SUM = 1_567_298_545
-
-
-def idx_bytes(array: np.ndarray, type_code: int = 0x08) -> bytes:
-  """IDX file bytes written by hand (independent of the reader)."""
-  header = struct.pack('>BBBB', 0, 0, type_code, array.ndim)
-  header += struct.pack(f'>{array.ndim}I', *array.shape)
-  return header + array.astype(array.dtype.newbyteorder('>')).tobytes()
 
 
 @pytest.fixture(scope='module')

@@ -20,9 +20,9 @@ from flax import nnx
 
 from capsjax.training import checkpoints
 from tests import conftest
-from tests.test_training_dynamic import TINY
-from tests.test_training_dynamic import TINY_OPTIONS
-from tests.test_training_dynamic import write_tiny_mnist
+from tests.helpers import TINY
+from tests.helpers import TINY_OPTIONS
+from tests.helpers import write_tiny_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

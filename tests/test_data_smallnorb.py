@@ -21,24 +21,7 @@ from capsjax.data import smallnorb_eval_preprocess
 from capsjax.data import smallnorb_multicrop
 from capsjax.data import smallnorb_train_preprocess
 from capsjax.data import write_norb_matrix
-
-
-def make_release(directory, n_train=36, n_test=36, *, gz=False):
-  """A fake release: image i of a file is filled with i (as its id)."""
-  directory.mkdir(parents=True, exist_ok=True)
-  arrays = {}
-  for split, n in (('training', n_train), ('testing', n_test)):
-    i = np.arange(n)
-    dat = np.broadcast_to(i[:, None, None, None], (n, 2, 96, 96)).copy()
-    dat[:, 1] += 100  # tell the stereo images apart
-    dat = dat.astype(np.uint8)
-    cat = (i % 5).astype(np.int32)
-    info = np.stack([i % 10, i % 9, 2 * (i % 18), i % 6], 1).astype(np.int32)
-    for kind, array in (('dat', dat), ('cat', cat), ('info', info)):
-      name = f'{norb.SPLIT_FILES[split]}-{kind}.mat' + ('.gz' if gz else '')
-      write_norb_matrix(directory / name, array)
-    arrays[split] = (dat, cat, info)
-  return arrays
+from tests.helpers import make_norb_release
 
 
 def norb_bytes(magic, dims, payload, ndim=None):
@@ -160,7 +143,7 @@ def test_fuzz_truncated_gz(tmp_path, cut):
 
 @pytest.mark.parametrize('gz', [False, True])
 def test_load_fake_release(tmp_path, gz):
-  arrays = make_release(tmp_path / 'smallnorb', gz=gz)
+  arrays = make_norb_release(tmp_path / 'smallnorb', gz=gz)
   data = load_dataset('smallnorb', data_dir=tmp_path, validation_size=6)
   assert data.name == 'smallnorb' and data.num_classes == 5
   assert data.train.images.shape == (30, 48, 48, 2)
@@ -197,7 +180,7 @@ def test_downsample_is_rounded_2x2_mean():
     ('elevation', {0, 1, 2}, 1),
 ])
 def test_viewpoint_splits(tmp_path, split, train_values, key):
-  arrays = make_release(tmp_path, n_train=72, n_test=54)
+  arrays = make_norb_release(tmp_path, n_train=72, n_test=54)
   data = load_dataset('smallnorb', data_dir=tmp_path, validation_size=3,
                       viewpoint_split=split)
   assert data.name == f'smallnorb_{split}'
@@ -220,7 +203,7 @@ def test_viewpoint_splits(tmp_path, split, train_values, key):
 
 
 def test_release_consistency_errors(tmp_path):
-  make_release(tmp_path, n_train=10, n_test=10)
+  make_norb_release(tmp_path, n_train=10, n_test=10)
   name = f'{norb.SPLIT_FILES["testing"]}-cat.mat'
   write_norb_matrix(tmp_path / name, np.zeros(9, np.int32))
   with pytest.raises(DataError, match='one per image') as info:

@@ -14,21 +14,7 @@ from capsjax.data import DataError
 from capsjax.data import load_dataset
 from capsjax.data import read_svhn_mat
 from capsjax.data import write_svhn_mat
-
-
-def make_release(directory, n_train=12, n_test=6, seed=0):
-  """``train_32x32.mat`` and ``test_32x32.mat``; image i of the training
-  file is filled with i (as its id) in its red channel."""
-  directory.mkdir(parents=True, exist_ok=True)
-  rng = np.random.default_rng(seed)
-  train = (rng.integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8),
-           np.arange(n_train) % 10)
-  train[0][..., 0] = np.arange(n_train)[:, None, None]
-  test = (rng.integers(0, 256, (n_test, 32, 32, 3), dtype=np.uint8),
-          rng.integers(0, 10, n_test))
-  write_svhn_mat(directory / 'train_32x32.mat', *train)
-  write_svhn_mat(directory / 'test_32x32.mat', *test)
-  return train, test
+from tests.helpers import make_svhn_release
 
 
 def test_reads_the_release_layout(tmp_path):
@@ -157,7 +143,7 @@ def test_fuzz_bit_flips(tmp_path, valid_bytes, data):
 
 
 def test_load_fake_release(tmp_path):
-  train, test = make_release(tmp_path / 'svhn')
+  train, test = make_svhn_release(tmp_path / 'svhn')
   data = load_dataset('svhn', data_dir=tmp_path, validation_size=4)
   assert data.name == 'svhn' and data.num_classes == 10
   assert data.train.images.shape == (8, 32, 32, 3)
@@ -173,7 +159,7 @@ def test_load_fake_release(tmp_path):
 
 
 def test_missing_and_corrupt_files(tmp_path, monkeypatch):
-  make_release(tmp_path)
+  make_svhn_release(tmp_path)
   (tmp_path / 'test_32x32.mat').unlink()
   with pytest.raises(FileNotFoundError) as info:
     load_dataset('svhn', data_dir=tmp_path)
@@ -182,7 +168,7 @@ def test_missing_and_corrupt_files(tmp_path, monkeypatch):
                '--config.data_dir', 'capsjax[tfds]',
                'http://ufldl.stanford.edu/housenumbers/'):
     assert text in message
-  make_release(tmp_path)
+  make_svhn_release(tmp_path)
   bad = tmp_path / 'test_32x32.mat'
   bad.write_bytes(bad.read_bytes()[:-50])
   with pytest.raises(DataError) as info:

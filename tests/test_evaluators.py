@@ -23,10 +23,10 @@ from capsjax.evaluators import attacks
 from capsjax.evaluators import two_digit_pairs
 from experiments.configs import capsnet_mnist
 from tests import conftest
-from tests.test_data_affnist import write_release_mat
-from tests.test_training_dynamic import TINY
-from tests.test_training_dynamic import TINY_OPTIONS
-from tests.test_training_dynamic import write_tiny_mnist
+from tests.helpers import TINY
+from tests.helpers import TINY_OPTIONS
+from tests.helpers import write_release_mat
+from tests.helpers import write_tiny_mnist
 
 _NUM_TEST = 40
 # 40 test images in batches of 16: the last batch is padded with 8 masked

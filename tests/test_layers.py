@@ -13,68 +13,10 @@ from capsjax import layers
 from capsjax import routing
 from capsjax.conv import lowerings
 from capsjax.conv import onednn
-
-
-def _direct_conv(x, kernel, stride, padding='VALID'):
-  return jax.lax.conv_general_dilated(
-      x, kernel, (stride, stride), padding,
-      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-
-
-def _random(seed, shape, scale=1.0):
-  # NumPy, not jax.random: XLA:CPU takes seconds to compile random bits for
-  # each many-axis shape.
-  rng = np.random.default_rng(seed)
-  return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-
-# ----------------------------------------------------------------------------
-# Convolution.
-
-
-def _output_and_grads(conv, x, kernel, cotangent):
-  """conv(x, kernel) and the gradients of <cotangent, conv(x, kernel)>."""
-  out, vjp = jax.vjp(conv, x, kernel)
-  return out, vjp(cotangent)
-
-
-def _assert_equals_direct(fast, direct, x, kernel, cotangent):
-  """``fast`` and ``direct`` (convolutions of (x, kernel)) agree in values
-  and in the gradients with respect to both the input and the kernel;
-  returns fast's output."""
-  run = jax.jit(_output_and_grads, static_argnums=0)
-  out, (gx, gk) = run(fast, x, kernel, cotangent)
-  ref, (gx_ref, gk_ref) = run(direct, x, kernel, cotangent)
-  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
-  return out
-
-
-def _conv_reference(x, kernel, cotangent, stride=1,
-                    padding=((0, 0), (0, 0))):
-  """The convolution and its gradients (x, kernel, cotangent: NumPy arrays
-  or anything np.asarray takes) in float64 NumPy, from the definition:
-  with x zero-padded to xp by ((top, bottom), (left, right)),
-  y[b, i, j, f] = sum_{u, v, c} xp[b, s i + u, s j + v, c] k[u, v, c, f];
-  dxp[b, s i + u, s j + v, c] += dy[b, i, j, f] k[u, v, c, f], cropped;
-  dk[u, v, c, f] = sum_{b, i, j} xp[b, s i + u, s j + v, c] dy[b, i, j, f]."""
-  (top, bottom), (left, right) = padding
-  xp = np.pad(np.asarray(x, np.float64),
-              ((0, 0), (top, bottom), (left, right), (0, 0)))
-  k64, dy64 = np.asarray(kernel, np.float64), np.asarray(cotangent, np.float64)
-  _, out_h, out_w, _ = dy64.shape
-  out, gxp, gk = np.zeros(dy64.shape), np.zeros(xp.shape), np.zeros(k64.shape)
-  for u in range(kernel.shape[0]):
-    for v in range(kernel.shape[1]):
-      rows = slice(u, u + stride * (out_h - 1) + 1, stride)
-      cols = slice(v, v + stride * (out_w - 1) + 1, stride)
-      window = xp[:, rows, cols]
-      out += np.einsum('bijc,cf->bijf', window, k64[u, v])
-      gxp[:, rows, cols] += np.einsum('bijf,cf->bijc', dy64, k64[u, v])
-      gk[u, v] = np.einsum('bijc,bijf->cf', window, dy64)
-  gx = gxp[:, top:xp.shape[1] - bottom, left:xp.shape[2] - right]
-  return out, gx, gk
+from tests.helpers import assert_equals_direct
+from tests.helpers import conv_reference
+from tests.helpers import direct_conv
+from tests.helpers import random_normal
 
 
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
@@ -92,21 +34,21 @@ def _conv_reference(x, kernel, cotangent, stride=1,
                                   'taps'])
 def test_cpu_convs_equal_direct_in_values_and_gradients(
     impl, kernel_size, stride, height, width):
-  x = _random(0, (2, height, width, 3))
-  kernel = _random(1, (kernel_size, kernel_size, 3, 4), 0.2)
+  x = random_normal(0, (2, height, width, 3))
+  kernel = random_normal(1, (kernel_size, kernel_size, 3, 4), 0.2)
   out_shape = (2, (height - kernel_size) // stride + 1,
                (width - kernel_size) // stride + 1, 4)
-  cotangent = _random(2, out_shape)
-  out = _assert_equals_direct(
+  cotangent = random_normal(2, out_shape)
+  out = assert_equals_direct(
       lambda x, k: lowerings.conv2d(x, k, stride, impl=impl),
-      lambda x, k: _direct_conv(x, k, stride), x, kernel, cotangent)
+      lambda x, k: direct_conv(x, k, stride), x, kernel, cotangent)
   chex.assert_shape(out, out_shape)
 
 
 def test_unfused_is_the_identity():
   """The fusion boundary of the kernel gradients returns its input, on
   either branch (a NaN token takes the second)."""
-  x = _random(0, (2, 3, 4))
+  x = random_normal(0, (2, 3, 4))
   for key in ([1.0], [np.nan, 1.0], []):  # an empty key: an empty batch
     np.testing.assert_array_equal(
         jax.jit(lowerings._unfused)(x, jnp.asarray(key, jnp.float32)), x)  # pylint: disable=protected-access
@@ -117,7 +59,7 @@ def test_unfused_is_the_identity():
 def test_conv2d_gradients_of_an_empty_batch(impl, stride):
   """The fusion boundary of the kernel gradient is keyed on an array that
   may be empty; the gradients then are those of XLA's convolution."""
-  x, kernel = jnp.zeros((0, 8, 8, 4)), _random(1, (3, 3, 4, 2))
+  x, kernel = jnp.zeros((0, 8, 8, 4)), random_normal(1, (3, 3, 4, 2))
   grads = jax.grad(lambda x, k: lowerings.conv2d(x, k, stride, impl=impl).sum(),
                    argnums=(0, 1))(x, kernel)
   chex.assert_shape(grads, [(0, 8, 8, 4), (3, 3, 4, 2)])
@@ -127,9 +69,9 @@ def test_conv2d_gradients_of_an_empty_batch(impl, stride):
 def test_patches_conv_is_the_convolution_sum():
   """patches_conv against the definition, in float64 NumPy: y[b, i, j, f] =
   sum_{u, v, c} x[b, i + u, j + v, c] k[u, v, c, f]."""
-  x = np.asarray(_random(0, (2, 6, 7, 3)), np.float64)
-  kernel = np.asarray(_random(1, (3, 2, 3, 5)), np.float64)
-  ref, _, _ = _conv_reference(x, kernel, np.zeros((2, 4, 6, 5)))
+  x = np.asarray(random_normal(0, (2, 6, 7, 3)), np.float64)
+  kernel = np.asarray(random_normal(1, (3, 2, 3, 5)), np.float64)
+  ref, _, _ = conv_reference(x, kernel, np.zeros((2, 4, 6, 5)))
   out = lowerings.patches_conv(x.astype(np.float32), kernel.astype(np.float32))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -139,10 +81,10 @@ def test_narrow_conv_kernel_gradient_is_the_correlation_sum():
   against its definition in float64 NumPy: dk[u, v, c, f] =
   sum_{b, i, j} x[b, i + u, j + v, c] dy[b, i, j, f]; a non-square kernel
   and two channels, so a wrong window order or channel interleave shows."""
-  x = np.asarray(_random(0, (3, 7, 6, 2)), np.float64)
-  cotangent = np.asarray(_random(2, (3, 5, 3, 4)), np.float64)
+  x = np.asarray(random_normal(0, (3, 7, 6, 2)), np.float64)
+  cotangent = np.asarray(random_normal(2, (3, 5, 3, 4)), np.float64)
   kernel = jnp.zeros((3, 4, 2, 4), jnp.float32)
-  _, _, ref = _conv_reference(x, kernel, cotangent)
+  _, _, ref = conv_reference(x, kernel, cotangent)
   _, vjp = jax.vjp(lowerings.narrow_conv, x.astype(np.float32), kernel)
   np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[1], ref,
                              rtol=1e-5, atol=1e-5)
@@ -159,11 +101,11 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
   """The input gradient of taps_conv against its definition in float64
   NumPy: dx[b, s*y + i, s*x + j, c] += sum_f dy[b, y, x, f] k[i, j, c, f];
   input positions that no window covers get 0."""
-  kernel = np.asarray(_random(1, (kernel_size, kernel_size, 3, 5)), np.float64)
+  kernel = np.asarray(random_normal(1, (kernel_size, kernel_size, 3, 5)), np.float64)
   out_h = (height - kernel_size) // stride + 1
   out_w = (width - kernel_size) // stride + 1
-  cotangent = np.asarray(_random(2, (2, out_h, out_w, 5)), np.float64)
-  _, ref, _ = _conv_reference(np.zeros((2, height, width, 3)), kernel,
+  cotangent = np.asarray(random_normal(2, (2, out_h, out_w, 5)), np.float64)
+  _, ref, _ = conv_reference(np.zeros((2, height, width, 3)), kernel,
                               cotangent, stride)
   x = jnp.zeros((2, height, width, 3), jnp.float32)
   _, vjp = jax.vjp(lambda x: lowerings.taps_conv(x, kernel.astype(np.float32),
@@ -176,16 +118,16 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
 @pytest.mark.parametrize('padding', ['VALID', 'SAME'])
 @pytest.mark.parametrize('stride', [1, 2])
 def test_conv2d_impls_and_padding(impl, padding, stride):
-  x = _random(0, (2, 11, 10, 3))
-  kernel = _random(1, (5, 5, 3, 4), 0.2)
-  cotangent = _random(2, _direct_conv(x, kernel, stride, padding).shape)
+  x = random_normal(0, (2, 11, 10, 3))
+  kernel = random_normal(1, (5, 5, 3, 4), 0.2)
+  cotangent = random_normal(2, direct_conv(x, kernel, stride, padding).shape)
   if impl.startswith('onednn') and not onednn.available():
     with pytest.raises(ValueError, match=f"conv_impl='{impl}': oneDNN is"):
       lowerings.conv2d(x, kernel, stride, padding, impl)
     return
-  _assert_equals_direct(
+  assert_equals_direct(
       lambda x, k: lowerings.conv2d(x, k, stride, padding, impl),
-      lambda x, k: _direct_conv(x, k, stride, padding), x, kernel, cotangent)
+      lambda x, k: direct_conv(x, k, stride, padding), x, kernel, cotangent)
 
 
 @pytest.mark.parametrize('height,width', [(24, 24), (7, 10), (5, 4)])
@@ -194,13 +136,13 @@ def test_average_pool_2x2_is_keras_average_pooling(height, width):
   an odd last row or column dropped (Keras' floor); its gradient puts a
   quarter of the cotangent on each of the four inputs and 0 on the
   dropped ones."""
-  x = np.asarray(_random(0, (2, height, width, 3)), np.float64)
+  x = np.asarray(random_normal(0, (2, height, width, 3)), np.float64)
   h, w = height // 2, width // 2
   ref = np.zeros((2, h, w, 3))
   for i in range(h):
     for j in range(w):
       ref[:, i, j] = x[:, 2 * i:2 * i + 2, 2 * j:2 * j + 2].mean(axis=(1, 2))
-  cotangent = np.asarray(_random(1, (2, h, w, 3)), np.float64)
+  cotangent = np.asarray(random_normal(1, (2, h, w, 3)), np.float64)
   grad_ref = np.zeros_like(x)
   grad_ref[:, :2 * h, :2 * w] = 0.25 * np.repeat(
       np.repeat(cotangent, 2, axis=1), 2, axis=2)
@@ -240,11 +182,11 @@ def test_conv2d_rejects_bad_arguments():
 def test_conv2d_module_shapes_and_bias():
   dims = chex.Dimensions(B=2, H=13, W=11, C=3, F=5, P=6, Q=5)
   conv = layers.Conv2D(dims.C, dims.F, 3, 2, bias_init=0.5, rngs=nnx.Rngs(0))
-  x = _random(0, dims['BHWC'])
+  x = random_normal(0, dims['BHWC'])
   out = conv(x)
   chex.assert_shape(out, dims['BPQF'])
   np.testing.assert_allclose(
-      out, _direct_conv(x, conv.kernel[...], 2) + 0.5, rtol=1e-5, atol=1e-5)
+      out, direct_conv(x, conv.kernel[...], 2) + 0.5, rtol=1e-5, atol=1e-5)
   assert conv.output_size(13) == 6 and conv.output_size(11) == 5
 
 
@@ -256,12 +198,12 @@ def test_primary_capsules_shapes_and_values():
   dims = chex.Dimensions(B=2, H=12, W=12, C=6, T=4, D=8)
   layer = layers.PrimaryCapsules(dims.C, dims.T, dims.D, kernel_size=5,
                                  stride=2, rngs=nnx.Rngs(0))
-  x = _random(0, dims['BHWC'])
+  x = random_normal(0, dims['BHWC'])
   out = jax.jit(layer.__call__)(x)
   grid = (12 - 5) // 2 + 1  # 4
   chex.assert_shape(out, (dims.B, grid * grid * dims.T, dims.D))
   assert layer.num_capsules(12, 12) == grid * grid * dims.T
-  conv = np.asarray(_direct_conv(x, layer.conv.kernel[...], 2)
+  conv = np.asarray(direct_conv(x, layer.conv.kernel[...], 2)
                     + layer.conv.bias[...].reshape(1, 1, 1, -1))
   s = conv.reshape(dims.B, grid, grid, dims.T, dims.D).reshape(dims.B, -1,
                                                                dims.D)
@@ -284,7 +226,7 @@ def test_dense_capsules_match_einsum_reference(options):
   layer = layers.DenseCapsules(dims.I, dims.E, dims.O, dims.D, 3,
                                rngs=nnx.Rngs(1), **options)
   chex.assert_shape(layer.weights[...], dims['IOED'])
-  u = np.asarray(_random(0, dims['BIE'], 0.5))
+  u = np.asarray(random_normal(0, dims['BIE'], 0.5))
   outputs, coupling = jax.jit(layer.__call__)(u)
   chex.assert_shape(outputs, dims['BOD'])
   chex.assert_shape(coupling, dims['BIO'])
@@ -309,7 +251,7 @@ def test_shared_capsules_match_einsum_reference_for_any_input_count():
                                 squash_constant=0.5, rngs=nnx.Rngs(2))
   chex.assert_shape(layer.weights[...], dims['OED'])
   for num_in in (7, 30):
-    u = np.asarray(_random(num_in, (dims.B, num_in, dims.E)))
+    u = np.asarray(random_normal(num_in, (dims.B, num_in, dims.E)))
     outputs, coupling = jax.jit(layer.__call__)(u)
     chex.assert_shape(outputs, dims['BOD'])
     chex.assert_shape(coupling, (dims.B, num_in, dims.O))
@@ -338,7 +280,7 @@ def test_vector_capsule_layers_validate_arguments():
 def test_matrix_primary_capsules_shapes_and_values():
   dims = chex.Dimensions(B=2, H=5, W=4, C=6, T=3, P=4)
   layer = layers.MatrixPrimaryCapsules(dims.C, dims.T, rngs=nnx.Rngs(0))
-  x = np.asarray(_random(0, dims['BHWC']))
+  x = np.asarray(random_normal(0, dims['BHWC']))
   poses, acts = layer(x)
   chex.assert_shape(poses, dims['BHWTPP'])
   chex.assert_shape(acts, dims['BHWT'])
@@ -353,8 +295,8 @@ def test_matrix_primary_capsules_shapes_and_values():
 
 
 def _conv_caps_inputs(dims, seed=0):
-  poses = _random(seed, dims['BHWCPP'])
-  acts = 1.0 / (1.0 + np.exp(-_random(seed + 1, dims['BHWC'], 2.0)))
+  poses = random_normal(seed, dims['BHWCPP'])
+  acts = 1.0 / (1.0 + np.exp(-random_normal(seed + 1, dims['BHWC'], 2.0)))
   return poses, acts
 
 

@@ -18,11 +18,11 @@ import pytest
 from capsjax.conv import lowerings
 from capsjax.conv import onednn
 from tests.conftest import REPO
-from tests.test_layers import _assert_equals_direct
-from tests.test_layers import _conv_reference
-from tests.test_layers import _direct_conv
-from tests.test_layers import _output_and_grads
-from tests.test_layers import _random
+from tests.helpers import assert_equals_direct
+from tests.helpers import conv_reference
+from tests.helpers import direct_conv
+from tests.helpers import output_and_grads
+from tests.helpers import random_normal
 
 pytestmark = pytest.mark.skipif(
     not onednn.wheels_installed() or os.environ.get('CAPSJAX_ONEDNN') == '0',
@@ -53,13 +53,13 @@ def test_values_and_both_gradients_are_the_convolution_sums(stride, padding):
   """Against the definition in float64 NumPy, with a non-square kernel and
   odd sizes so that a wrong layout, window order, flip, stride or padding
   shows."""
-  x = _random(0, (3, 7, 9, 5))
-  kernel = _random(1, (3, 2, 5, 4), 0.3)
+  x = random_normal(0, (3, 7, 9, 5))
+  kernel = random_normal(1, (3, 2, 5, 4), 0.3)
   out_shape = onednn.output_shape(x.shape, kernel.shape, stride, padding)
-  cotangent = _random(2, out_shape)
-  out, (gx, gk) = jax.jit(_output_and_grads, static_argnums=0)(
+  cotangent = random_normal(2, out_shape)
+  out, (gx, gk) = jax.jit(output_and_grads, static_argnums=0)(
       lambda x, k: onednn.conv(x, k, stride, padding), x, kernel, cotangent)
-  ref, gx_ref, gk_ref = _conv_reference(x, kernel, cotangent, stride, padding)
+  ref, gx_ref, gk_ref = conv_reference(x, kernel, cotangent, stride, padding)
   assert out.shape == ref.shape == out_shape
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
@@ -71,19 +71,19 @@ def test_shapes_that_differ_only_in_padding_are_not_confused():
   convolutions of the same input, kernel and output sizes whose padding
   differs, called alternately in one program, must each give their own
   values."""
-  x = _random(0, (2, 6, 6, 16))
-  kernel = _random(1, (3, 3, 16, 4), 0.2)
-  cotangent = _random(2, (2, 6, 6, 4))
+  x = random_normal(0, (2, 6, 6, 16))
+  kernel = random_normal(1, (3, 3, 16, 4), 0.2)
+  cotangent = random_normal(2, (2, 6, 6, 4))
   paddings = [((2, 0), (0, 2)), ((1, 1), (1, 1)), ((0, 2), (2, 0))]
 
   def all_three(x, kernel):
-    return [_output_and_grads(lambda x, k, p=p: onednn.conv(x, k, 1, p), x,
+    return [output_and_grads(lambda x, k, p=p: onednn.conv(x, k, 1, p), x,
                               kernel, cotangent) for p in paddings]
 
   for _ in range(2):  # the second time from the cache
     for padding, (out, (gx, gk)) in zip(
         paddings, jax.jit(all_three)(x, kernel), strict=True):
-      ref, gx_ref, gk_ref = _conv_reference(x, kernel, cotangent, 1, padding)
+      ref, gx_ref, gk_ref = conv_reference(x, kernel, cotangent, 1, padding)
       np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)
@@ -103,19 +103,19 @@ def test_shapes_that_differ_only_in_padding_are_not_confused():
 ])
 def test_default_cpu_conv_is_onednn_and_equals_direct(
     shape, kernel_shape, stride, padding, targets):
-  x = _random(0, shape)
-  kernel = _random(1, kernel_shape, 0.1)
+  x = random_normal(0, shape)
+  kernel = random_normal(1, kernel_shape, 0.1)
   conv = lambda x, k: lowerings.conv2d(x, k, stride, padding)
-  direct = lambda x, k: _direct_conv(x, k, stride, padding)
-  cotangent = _random(2, jax.eval_shape(direct, x, kernel).shape)
-  hlo = jax.jit(_output_and_grads, static_argnums=0).lower(
+  direct = lambda x, k: direct_conv(x, k, stride, padding)
+  cotangent = random_normal(2, jax.eval_shape(direct, x, kernel).shape)
+  hlo = jax.jit(output_and_grads, static_argnums=0).lower(
       conv, x, kernel, cotangent).as_text()
   called = {name for name in ('OnednnConvForward', 'OnednnConvInputGrad',
                               'OnednnConvKernelGrad') if name in hlo}
   assert called == ({'OnednnConvInputGrad'} if targets == 1 else
                     {'OnednnConvForward', 'OnednnConvInputGrad',
                      'OnednnConvKernelGrad'})
-  _assert_equals_direct(conv, direct, x, kernel, cotangent)
+  assert_equals_direct(conv, direct, x, kernel, cotangent)
 
 
 @pytest.mark.parametrize('case', ['bfloat16', 'empty'])
@@ -126,17 +126,17 @@ def test_conv2d_keeps_other_lowerings_where_onednn_does_not_apply(case, impl):
   kernel = jnp.zeros((3, 3, 16, 4), x.dtype)
   assert 'Onednn' not in jax.jit(lowerings.conv2d).lower(x, kernel).as_text()
   assert lowerings.conv2d(x, kernel).shape == jax.eval_shape(
-      lambda x, k: _direct_conv(x, k, 1), x, kernel).shape
+      lambda x, k: direct_conv(x, k, 1), x, kernel).shape
   with pytest.raises(ValueError, match=f"conv_impl='{impl}' takes float32"):
     lowerings.conv2d(x, kernel, impl=impl)
 
 
 def test_degenerate_inputs_give_finite_values_and_gradients():
   """All-zero, huge and tiny inputs: finite, and zeros where they must be."""
-  kernel = _random(1, (3, 3, 16, 8), 0.1)
+  kernel = random_normal(1, (3, 3, 16, 8), 0.1)
   for scale in (0.0, 1e30, 1e-30):
-    x = scale * _random(0, (2, 5, 5, 16))
-    out, (gx, gk) = jax.jit(_output_and_grads, static_argnums=0)(
+    x = scale * random_normal(0, (2, 5, 5, 16))
+    out, (gx, gk) = jax.jit(output_and_grads, static_argnums=0)(
         onednn.conv, x, kernel, np.ones((2, 3, 3, 8), np.float32))
     for a in (out, gx, gk):
       assert np.all(np.isfinite(np.asarray(a))), scale
@@ -145,16 +145,16 @@ def test_degenerate_inputs_give_finite_values_and_gradients():
 
 
 def test_vmap_and_a_train_step_of_a_conv_layer():
-  x = _random(0, (3, 2, 6, 6, 16))
-  kernel = _random(1, (3, 3, 16, 4), 0.1)
+  x = random_normal(0, (3, 2, 6, 6, 16))
+  kernel = random_normal(1, (3, 3, 16, 4), 0.1)
   batched = jax.vmap(lambda x: lowerings.conv2d(x, kernel))(x)
   np.testing.assert_allclose(
-      batched, jax.vmap(lambda x: _direct_conv(x, kernel, 1))(x), rtol=1e-5,
+      batched, jax.vmap(lambda x: direct_conv(x, kernel, 1))(x), rtol=1e-5,
       atol=1e-5)
   loss = lambda k: jnp.sum(jnp.tanh(lowerings.conv2d(x[0], k)))
   np.testing.assert_allclose(
       jax.grad(loss)(kernel),
-      jax.grad(lambda k: jnp.sum(jnp.tanh(_direct_conv(x[0], k, 1))))(kernel),
+      jax.grad(lambda k: jnp.sum(jnp.tanh(direct_conv(x[0], k, 1))))(kernel),
       rtol=1e-5, atol=1e-5)
 
 

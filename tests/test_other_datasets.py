@@ -26,9 +26,9 @@ from experiments.configs import capsnet_mnist
 from experiments.configs import capsnet_smallnorb
 from experiments.configs import capsnet_svhn
 from tests import conftest
-from tests import test_data_cifar10
-from tests import test_data_smallnorb
-from tests import test_data_svhn
+from tests.helpers import make_cifar10_release
+from tests.helpers import make_norb_release
+from tests.helpers import make_svhn_release
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {'cifar10': capsnet_cifar10, 'svhn': capsnet_svhn,
@@ -156,12 +156,12 @@ def write_release(name, directory):
   """Tiny releases: CIFAR-10's binary batches, SVHN's .mat files, the six
   smallNORB matrix files."""
   if name == 'cifar10':
-    test_data_cifar10.make_release(directory / 'cifar-10-batches-bin',
+    make_cifar10_release(directory / 'cifar-10-batches-bin',
                                    n_per_batch=6, n_test=8)
   elif name == 'svhn':
-    test_data_svhn.make_release(directory / 'svhn', n_train=30, n_test=8)
+    make_svhn_release(directory / 'svhn', n_train=30, n_test=8)
   else:
-    test_data_smallnorb.make_release(directory / 'smallnorb', n_train=30,
+    make_norb_release(directory / 'smallnorb', n_train=30,
                                      n_test=8)
   return str(directory)
 

@@ -31,6 +31,10 @@ from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 from tests import conftest
 from tests.conftest import REPO
+from tests.helpers import TINY
+from tests.helpers import tiny_config
+from tests.helpers import tiny_flags
+from tests.helpers import write_tiny_mnist
 
 
 def _launch(workdir, config, *overrides, module='experiments.capsnet_mnist'):
@@ -100,43 +104,10 @@ def test_bad_variant_is_a_clear_error():
 # interruption at any point, a poisoned batch, bad config values, a full
 # disk, determinism.
 
-TINY_OPTIONS = dict(conv1_channels=8, primary_types=2, decoder_widths=(16, 32))
-TINY = dict(batch_size=8, validation_size=40, num_train_steps=12,
-            checkpoint_every_steps=2, eval_every_steps=2, log_every_steps=1,
-            eval_batch_size=40)
-
-
-def write_tiny_mnist(directory, num_train=200, num_test=40, seed=0):
-  """Random digits in the four IDX files of MNIST (enough to train on)."""
-  rng = np.random.default_rng(seed)
-
-  def random_split(num):
-    images = rng.integers(0, 256, (num, 28, 28), dtype=np.uint8)
-    return images, rng.integers(0, 10, num, dtype=np.uint8)
-
-  train = random_split(num_train)
-  return conftest.write_mnist_dir(directory, train, random_split(num_test))
-
 
 @pytest.fixture(scope='module')
 def tiny_mnist(tmp_path_factory):
   return write_tiny_mnist(tmp_path_factory.mktemp('tiny_mnist'))
-
-
-def _tiny_config(data_dir, **overrides):
-  config = capsnet_mnist.get_config('smoke')
-  config.model_options.update(TINY_OPTIONS)
-  config.update(TINY)
-  config.data_dir = data_dir
-  config.update(overrides)
-  return config
-
-
-def _tiny_flags(data_dir, **overrides):
-  """The command-line flags of ``_tiny_config``."""
-  flags = [f'--config.model_options.{k}={v}' for k, v in TINY_OPTIONS.items()]
-  flags += [f'--config.{k}={v}' for k, v in (TINY | overrides).items()]
-  return flags + [f'--config.data_dir={data_dir}']
 
 
 def _fresh_model(config):
@@ -249,7 +220,7 @@ def test_sigkill_anywhere_incl_mid_checkpoint_resumes_bit_identically(
   """Killed at three seeded points (one between a checkpoint's write and its
   rename), rerun each time: the end equals one uninterrupted run, bit for
   bit (final and selected parameters, validation and test results)."""
-  flags = _tiny_flags(tiny_mnist)
+  flags = tiny_flags(tiny_mnist)
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
   straight = _launch(tmp_path / 'straight', config, *flags)
   out, _ = straight.communicate(timeout=600)
@@ -322,7 +293,7 @@ def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
   """``select_on_validation=False`` (Su's protocol): validation is watched,
   the last state is tested and reported, and no 'best' copy is kept."""
   workdir = str(tmp_path / 'work')
-  config = _tiny_config(tiny_mnist, select_on_validation=False, adam_epsilon=1e-7)
+  config = tiny_config(tiny_mnist, select_on_validation=False, adam_epsilon=1e-7)
   summary = dynamic.train_and_evaluate(config, workdir)
   assert summary['selected_step'] == summary['steps'] == TINY['num_train_steps']
   records = [json.loads(line) for line in open(f'{workdir}/metrics.jsonl')]
@@ -351,7 +322,7 @@ def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
   workdir = tmp_path / 'work'
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
   # Checkpoints every 1000 steps only: the saved step is the stop's.
-  flags = _tiny_flags(tiny_mnist, num_train_steps=100_000,
+  flags = tiny_flags(tiny_mnist, num_train_steps=100_000,
                       checkpoint_every_steps=1000, eval_every_steps=1000,
                       log_every_steps=1)
   proc = _launch(workdir, config, *flags)
@@ -376,7 +347,7 @@ def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
   assert checkpoints.Checkpointer(str(workdir / 'checkpoints')).latest_step(
   ) == step
   assert not (workdir / 'summary.json').exists()
-  resumed = _launch(workdir, config, *_tiny_flags(
+  resumed = _launch(workdir, config, *tiny_flags(
       tiny_mnist, num_train_steps=step + 2, checkpoint_every_steps=1000,
       eval_every_steps=1000))
   out, _ = resumed.communicate(timeout=300)
@@ -388,7 +359,7 @@ def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
 def test_checkpoints_also_by_wall_time(tmp_path, tiny_mnist):
   """checkpoint_every_seconds: saved between the step-count checkpoints."""
   workdir = tmp_path / 'work'
-  config = _tiny_config(tiny_mnist, checkpoint_every_steps=1000,
+  config = tiny_config(tiny_mnist, checkpoint_every_steps=1000,
                         eval_every_steps=1000, num_train_steps=7,
                         checkpoint_every_seconds=1e-6)
   dynamic.train_and_evaluate(config, str(workdir))
@@ -431,10 +402,10 @@ def test_rerun_with_another_config_is_checked_before_anything_is_written(
     tmp_path, tiny_mnist, capsys):
   workdir = tmp_path / 'work'
   dynamic.train_and_evaluate(
-      _tiny_config(tiny_mnist, num_train_steps=4), str(workdir))
+      tiny_config(tiny_mnist, num_train_steps=4), str(workdir))
   stored = (workdir / 'config.json').read_bytes()
   files = sorted(p.relative_to(workdir) for p in workdir.rglob('*'))
-  other_model = _tiny_config(tiny_mnist, num_train_steps=4)
+  other_model = tiny_config(tiny_mnist, num_train_steps=4)
   other_model.model_options.conv1_channels = 16
   with pytest.raises(ValueError, match=(
       r'holds a checkpoint of another model: model_options.conv1_channels 8 '
@@ -444,7 +415,7 @@ def test_rerun_with_another_config_is_checked_before_anything_is_written(
   assert sorted(p.relative_to(workdir) for p in workdir.rglob('*')) == files
   capsys.readouterr()
   # More steps: accepted and said; another learning rate: a warning.
-  longer = _tiny_config(tiny_mnist, num_train_steps=6, learning_rate=5e-3)
+  longer = tiny_config(tiny_mnist, num_train_steps=6, learning_rate=5e-3)
   summary = dynamic.train_and_evaluate(longer, str(workdir))
   out = capsys.readouterr().out
   assert 'Changed from the stored config: num_train_steps 4 -> 6.' in out, out
@@ -462,7 +433,7 @@ def test_unwritable_workdir_names_it_and_the_fix(tmp_path, tiny_mnist):
   with pytest.raises(OSError, match=(
       rf'cannot write to the workdir {re.escape(str(workdir))} \(.*\); '
       r'choose a --workdir you can write to')):
-    dynamic.train_and_evaluate(_tiny_config(tiny_mnist), str(workdir))
+    dynamic.train_and_evaluate(tiny_config(tiny_mnist), str(workdir))
 
 
 def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
@@ -471,7 +442,7 @@ def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
   5 before anything later is saved, even though logging is rarer than
   checkpointing; a rerun without the poison resumes from step 5."""
   workdir = str(tmp_path / 'work')
-  poisoned = _tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
+  poisoned = tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
                           checkpoint_every_steps=1, debug_poison_step=5)
   with pytest.raises(loop.TrainingDiverged,
                      match=r'non-finite at step 5\b') as info:
@@ -483,7 +454,7 @@ def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
   checkpointer.close()
   assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
 
-  clean = _tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
+  clean = tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
                        checkpoint_every_steps=1)
   summary = dynamic.train_and_evaluate(clean, workdir)
   assert summary['steps'] == 8
@@ -495,7 +466,7 @@ def test_same_seed_and_config_give_identical_runs(tmp_path, tiny_mnist):
   and the same results; another seed gives other parameters."""
   summaries = {}
   for name, seed in (('a', 0), ('b', 0), ('other_seed', 1)):
-    config = _tiny_config(tiny_mnist, num_train_steps=4, seed=seed,
+    config = tiny_config(tiny_mnist, num_train_steps=4, seed=seed,
                           checkpoint_every_steps=4, eval_every_steps=4)
     summaries[name] = dynamic.train_and_evaluate(
         config, str(tmp_path / name))
@@ -513,7 +484,7 @@ def test_bfloat16_training_follows_float32_training(tmp_path, tiny_mnist):
   bfloat16's rounding, on float32 master parameters that do move."""
   runs = {}
   for dtype in ('float32', 'bfloat16'):
-    config = _tiny_config(tiny_mnist, num_train_steps=6, compute_dtype=dtype,
+    config = tiny_config(tiny_mnist, num_train_steps=6, compute_dtype=dtype,
                           checkpoint_every_steps=6, eval_every_steps=6)
     summary = dynamic.train_and_evaluate(config, str(tmp_path / dtype))
     losses = [json.loads(line)['train/loss'] for line in
@@ -526,7 +497,7 @@ def test_bfloat16_training_follows_float32_training(tmp_path, tiny_mnist):
   np.testing.assert_allclose(losses16, losses32, rtol=2e-2)
   assert summary16['test']['loss'] == pytest.approx(
       summary32['test']['loss'], rel=2e-2)
-  model = _fresh_model(_tiny_config(tiny_mnist))
+  model = _fresh_model(tiny_config(tiny_mnist))
   # The parameters moved as in float32, to within a fraction of the move
   # (Adam's normalised steps turn bfloat16's rounding of small gradients
   # into up to 22% of a tensor's move here, 3% overall).
@@ -550,7 +521,7 @@ def test_bfloat16_training_follows_float32_training(tmp_path, tiny_mnist):
 def test_bad_config_value_is_one_error_line_and_exit_2(tmp_path, tiny_mnist,
                                                        override, message):
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
-  proc = _launch(tmp_path / 'w', config, *_tiny_flags(tiny_mnist), override)
+  proc = _launch(tmp_path / 'w', config, *tiny_flags(tiny_mnist), override)
   out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 2, out
   errors = [line for line in out.splitlines() if line.startswith('error:')]
@@ -581,7 +552,7 @@ def test_full_disk_while_saving_is_one_clear_error_and_keeps_checkpoint(
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
   out = subprocess.run(
       [sys.executable, '-c', _FULL_DISK_DRIVER, f'--workdir={workdir}',
-       f'--config={config}', *_tiny_flags(tiny_mnist, eval_every_steps=100)],
+       f'--config={config}', *tiny_flags(tiny_mnist, eval_every_steps=100)],
       cwd=REPO, capture_output=True, text=True, timeout=300,
       env=conftest.training_env())
   assert out.returncode == 2, out.stdout + out.stderr
@@ -603,7 +574,7 @@ def test_max_train_seconds_stops_with_a_checkpoint_and_a_summary(
   as if it were the last (validated, checkpointed, tested); a rerun of the
   same command resumes and stops one step later."""
   workdir = str(tmp_path / 'work')
-  config = _tiny_config(tiny_mnist, num_train_steps=12)
+  config = tiny_config(tiny_mnist, num_train_steps=12)
   del config['max_train_seconds']  # an int in the config; a float here
   config.max_train_seconds = 1e-9
   summary = dynamic.train_and_evaluate(config, workdir)
@@ -620,17 +591,17 @@ def test_a_time_limited_run_says_so_and_a_finished_one_is_not_retrained(
     tiny_mnist, tmp_path, capsys):
   workdir = str(tmp_path / 'w')
   summary = dynamic.train_and_evaluate(
-      _tiny_config(tiny_mnist, max_train_seconds=1e-3), workdir)
+      tiny_config(tiny_mnist, max_train_seconds=1e-3), workdir)
   out = capsys.readouterr().out
   assert summary['stopped_by_time_limit'] and summary['steps'] < 12, summary
   assert 'Stopped early by max_train_seconds=0.001' in out, out
   assert f'Summary: {os.path.join(workdir, "summary.json")}' in out
   assert summary['conv_backend'] in out  # the header names the backend
   # The rerun trains on to the end, then a third run trains nothing.
-  summary = dynamic.train_and_evaluate(_tiny_config(tiny_mnist), workdir)
+  summary = dynamic.train_and_evaluate(tiny_config(tiny_mnist), workdir)
   assert summary['steps'] == 12 and not summary['stopped_by_time_limit']
   assert 'has finished training' not in capsys.readouterr().out
-  dynamic.train_and_evaluate(_tiny_config(tiny_mnist), workdir)
+  dynamic.train_and_evaluate(tiny_config(tiny_mnist), workdir)
   out = capsys.readouterr().out
   assert f'{workdir} has finished training (step 12)' in out, out
   assert 'Test accuracy ' in out and 'Stopped early' not in out

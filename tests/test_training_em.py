@@ -25,7 +25,7 @@ from capsjax.training import state as state_lib
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
 from tests import conftest
-from tests.test_data_smallnorb import make_release
+from tests.helpers import make_norb_release
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope='module')
 def norb_dir(tmp_path_factory):
   directory = tmp_path_factory.mktemp('norb')
-  make_release(directory, n_train=40, n_test=16)
+  make_norb_release(directory, n_train=40, n_test=16)
   return str(directory)
 
 

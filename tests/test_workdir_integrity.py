@@ -42,9 +42,9 @@ from capsjax.training import state as state_lib
 from experiments import reproduce
 from tests import conftest
 from tests.conftest import REPO
-from tests.test_training_dynamic import _tiny_config
-from tests.test_training_dynamic import _tiny_flags
-from tests.test_training_dynamic import write_tiny_mnist
+from tests.helpers import tiny_config
+from tests.helpers import tiny_flags
+from tests.helpers import write_tiny_mnist
 
 KINDS = ('flip', 'truncate', 'delete')
 
@@ -268,7 +268,7 @@ def tiny_data(tmp_path_factory):
 
 
 def _config(data_dir, **overrides):
-  return _tiny_config(data_dir, **({'num_train_steps': 8} | overrides))
+  return tiny_config(data_dir, **({'num_train_steps': 8} | overrides))
 
 
 @pytest.fixture(scope='module')
@@ -484,7 +484,7 @@ def test_a_second_training_process_exits_2_naming_the_first(tmp_path,
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
   command = [sys.executable, '-m', 'experiments.capsnet_mnist',
              f'--workdir={workdir}', f'--config={config}',
-             *_tiny_flags(tiny_data, num_train_steps=100000,
+             *tiny_flags(tiny_data, num_train_steps=100000,
                           log_every_steps=10, eval_every_steps=100000)]
   first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=_env())
@@ -510,7 +510,7 @@ def test_a_second_training_process_exits_2_naming_the_first(tmp_path,
   assert first.returncode == 128 + signal.SIGTERM, out
   step = int(re.search(r'stopped at step (\d+), checkpoint saved', out)[1])
   checkpointer = checkpoints.Checkpointer(str(workdir / 'checkpoints'))
-  template = _template_of(_tiny_config(tiny_data))
+  template = _template_of(tiny_config(tiny_data))
   assert checkpointer.restore_checked(template, step).verified
   checkpointer.close()
 
