@@ -23,6 +23,7 @@ from capsjax.data.idx import candidate_dirs
 from capsjax.data.idx import carve_validation
 from capsjax.data.idx import data_error
 from capsjax.data.idx import import_tfds
+from capsjax.data.idx import load_tfds_supervised
 from capsjax.data.idx import not_found_message
 from capsjax.data.idx import read_idx
 from capsjax.data.idx import search_dirs
@@ -87,16 +88,6 @@ def read_idx_split(images_path: PathLike, labels_path: PathLike) -> Split:
   return Split(images, _read_labels(labels_path, len(images), images_path))
 
 
-def _load_tfds(name: str) -> tuple[Split, Split]:
-  tfds = import_tfds(name)
-  splits = []
-  for split in ('train', 'test'):
-    images, labels = tfds.as_numpy(tfds.load(
-        name, split=split, batch_size=-1, as_supervised=True))
-    splits.append(Split(images.astype(np.uint8), labels.astype(np.int32)))
-  return splits[0], splits[1]
-
-
 def load_mnist(name: str = 'mnist', *, data_dir: PathLike | None = None,
                validation_size: int = 5000, source: str = 'auto') -> Dataset:
   """MNIST or Fashion-MNIST; see ``load_dataset``."""
@@ -105,7 +96,7 @@ def load_mnist(name: str = 'mnist', *, data_dir: PathLike | None = None,
   if source not in SOURCES:
     raise ValueError(f'source must be one of {SOURCES}, got {source!r}')
   if source == 'tfds':
-    train, test = _load_tfds(name)
+    train, test = load_tfds_supervised(name)
   else:
     places = candidate_dirs(SUBDIRS[name], data_dir)
     found = search_dirs(places, find_idx_files)
@@ -125,7 +116,7 @@ def load_mnist(name: str = 'mnist', *, data_dir: PathLike | None = None,
         import_tfds(name)
       except ImportError as e:
         raise FileNotFoundError(message(True)) from e
-      train, test = _load_tfds(name)
+      train, test = load_tfds_supervised(name)
   train, validation = carve_validation(*train, validation_size)
   return Dataset(train, validation, test, NUM_CLASSES, name)
 

@@ -44,15 +44,7 @@ def get_config(variant: str = ''):
       config.model_options.conv1_channels = 16
       config.model_options.primary_types = 4
       config.model_options.decoder_widths = (64, 128)
-      config.batch_size = 32
-      config.num_train_steps = 200
-      config.learning_rate = 2e-3
-      config.lr_decay_steps = 100
-      config.lr_decay_rate = 0.8
-      config.max_train_seconds = 280
-      config.eval_every_steps = 100
-      config.checkpoint_every_steps = 100
-      config.log_every_steps = 20
+      common.short_schedule(config)
     else:
       raise ValueError(f'unknown variant {part!r} of capsnet_svhn; known: '
                        'smoke.')

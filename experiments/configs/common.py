@@ -79,3 +79,18 @@ def smoke_run(config_spec: str, what: str = 'runs a reduced model end to '
               'end in a few minutes') -> str:
   """The ``shorter_run`` hint: ``config_spec`` is FILE:VARIANTS in configs/."""
   return f'--config=experiments/configs/{config_spec} {what}.'
+
+
+def short_schedule(config) -> None:
+  """The :smoke training schedule of the section-7 CapsNet configs: 200
+  steps of batch 32 at a higher, faster-decaying learning rate, a 280 s
+  guard, an evaluation and a checkpoint every 100 steps."""
+  config.batch_size = 32
+  config.num_train_steps = 200
+  config.learning_rate = 2e-3
+  config.lr_decay_steps = 100
+  config.lr_decay_rate = 0.8
+  config.max_train_seconds = 280
+  config.eval_every_steps = 100
+  config.checkpoint_every_steps = 100
+  config.log_every_steps = 20
