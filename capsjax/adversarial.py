@@ -11,17 +11,18 @@ The attacks are pure and jit-able functions of a per-example loss
 its own loss (the losses are summed, and the models are evaluated without
 batch statistics). Pixels live in [``clip_min``, ``clip_max``] = [0, 1].
 
-Which loss the attacker differentiates (``attack_loss``): 'family' is the loss
-the model was trained with, without regularisers: the margin loss on capsule
-lengths for CapsNet (not the reconstruction term), softmax cross-entropy for
-the baseline CNN, Su's binary margin loss for his two-digit models, and for
-EM models their class loss at the final margin (``training.em.em_loss`` at the
-end of the schedule: the spread loss with m = 0.9 'linear' or 0.99
-'authors'). 'cross_entropy' is softmax cross-entropy over the models' logits,
-or over the log-odds of their scores in [0, 1] (lengths, sigmoid scores, EM
-activations). The margin losses are flat at zero for an example classified
-beyond the margins, and FGSM then leaves it unchanged (sign(0) = 0):
-``zero_gradient_fraction`` measures how often that happens.
+Which loss the attacker differentiates is the model family's
+(``families.of(model).attack_loss``): 'family' is the loss the model was
+trained with, without regularisers: the margin loss on capsule lengths for
+CapsNet (not the reconstruction term), softmax cross-entropy for the
+baseline CNN, Su's binary margin loss for his two-digit models, and for EM
+models their spread loss at the final margin (``final_spread_margin``: m =
+0.9 'linear' or 0.99 'authors'). 'cross_entropy' is softmax cross-entropy
+over the family's ``class_logits``: the models' logits, or the log-odds of
+their scores in [0, 1] (lengths, sigmoid scores, EM activations). The
+margin losses are flat at zero for an example classified beyond the margins,
+and FGSM then leaves it unchanged (sign(0) = 0): ``zero_gradient_fraction``
+measures how often that happens.
 
 Shape legend: B the batch, H x W x C an image, K the classes.
 """
@@ -39,14 +40,11 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from capsjax import losses
-from capsjax import models
+from capsjax import families
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 ATTACKS = ('fgsm', 'bim')
-ATTACK_LOSSES = ('family', 'cross_entropy')
-# Keeps the log-odds of scores that saturate at 0 or 1 finite.
-_SCORE_CLIP = 1e-6
+ATTACK_LOSSES = families.ATTACK_LOSSES
 
 
 def input_gradient(loss_fn: LossFn, images: ArrayLike, labels: ArrayLike
@@ -115,59 +113,12 @@ def attack(name: str, loss_fn: LossFn, images: ArrayLike, labels: ArrayLike,
 
 
 # ----------------------------------------------------------------------------
-# Which loss to attack.
-
-
-def class_logits(outputs: dict[str, jax.Array]) -> jax.Array:
-  """[B, K] logits of a model: its 'logits', or the log-odds of its scores."""
-  if 'logits' in outputs:
-    return outputs['logits']
-  for key in ('lengths', 'scores', 'activations'):
-    if key in outputs:
-      p = jnp.clip(outputs[key], _SCORE_CLIP, 1.0 - _SCORE_CLIP)
-      return jnp.log(p) - jnp.log1p(-p)
-  raise KeyError(f'model outputs {sorted(outputs)} hold no class scores.')
-
-
-def attack_loss(outputs: dict[str, jax.Array], labels: ArrayLike, *,
-                kind: str = 'family', spread_margin: float = 0.9) -> jax.Array:
-  """Per-example loss [B] an attacker increases (see the module docstring).
-
-  Args:
-    outputs: a model's dict: 'logits' (baseline CNN), 'lengths' (CapsNet),
-      'scores' (Su's models) or 'activations' (EM models).
-    labels: [B] int.
-    kind: 'family' or 'cross_entropy'.
-    spread_margin: the spread-loss margin of 'family' for EM models.
-  """
-  labels = jnp.asarray(labels)
-  if kind == 'cross_entropy':
-    return losses.cross_entropy_loss(class_logits(outputs), labels)
-  if kind != 'family':
-    raise ValueError(f'unknown attack loss {kind!r}; one of {ATTACK_LOSSES}.')
-  if 'logits' in outputs:
-    return losses.cross_entropy_loss(outputs['logits'], labels)
-  if 'lengths' in outputs:
-    k = outputs['lengths'].shape[-1]
-    return losses.margin_loss(outputs['lengths'], jax.nn.one_hot(labels, k))
-  if 'scores' in outputs:
-    k = outputs['scores'].shape[-1]
-    return losses.margin_loss(outputs['scores'], jax.nn.one_hot(labels, k),
-                              negative_weight=0.25)
-  if 'activations' in outputs:
-    return losses.spread_loss(outputs['activations'], labels, spread_margin)
-  raise KeyError(f'model outputs {sorted(outputs)} hold no class scores.')
-
-
-# ----------------------------------------------------------------------------
 # Trained models.
 
 
 def final_spread_margin(config: ml_collections.ConfigDict) -> float:
   """The spread-loss margin an EM run in ``config`` ends its schedule with."""
-  return float(losses.spread_loss_margin(
-      10**9, schedule=config.get('margin_schedule', 'authors'),
-      total_steps=config.get('margin_steps', 50_000)))
+  return families.EMFamily.final_margin(config)
 
 
 def evaluate_attacks(model: nnx.Module, images: ArrayLike, labels: ArrayLike,
@@ -179,7 +130,8 @@ def evaluate_attacks(model: nnx.Module, images: ArrayLike, labels: ArrayLike,
   """Accuracy of ``model`` under each attack at each epsilon.
 
   Args:
-    model: any capsjax classifier, called as ``model(x, train=False)``.
+    model: any capsjax classifier, called as ``model(x, train=False)``; its
+      family (``families.of``) gives the loss attacked.
     images: [N, H, W, C], uint8 or float in [0, 1] (what the model sees).
     labels: [N] int.
     epsilons: L-infinity budgets, in pixel units of [0, 1].
@@ -196,16 +148,18 @@ def evaluate_attacks(model: nnx.Module, images: ArrayLike, labels: ArrayLike,
   if np.issubdtype(images.dtype, np.integer):
     images = images.astype(np.float32) / 255.0
   labels = np.asarray(labels)
+  family = families.of(model)
   graphdef, state = nnx.split(model)
 
   # The model state is an argument, not a closed-over constant.
   def loss_fn(state, x, y):
     outputs = nnx.merge(graphdef, state)(x, train=False)
-    return attack_loss(outputs, y, kind=kind, spread_margin=spread_margin)
+    return family.attack_loss(outputs, y, kind=kind,
+                              spread_margin=spread_margin)
 
   def correct(state, x, y):
     outputs = nnx.merge(graphdef, state)(x, train=False)
-    return jnp.argmax(models.class_scores(outputs), -1) == y
+    return jnp.argmax(outputs['class_scores'], -1) == y
 
   @jax.jit
   def clean(state, x, y, mask):

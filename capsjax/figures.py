@@ -69,7 +69,7 @@ def model_outputs(model: nnx.Module, images: ArrayLike) -> dict[str, np.ndarray]
 @nnx.jit
 def _capsnet_forward(model: nnx.Module, x: jax.Array) -> dict[str, jax.Array]:
   out = model(x, train=False)
-  out['mask'] = model.decoder_mask(out['lengths'], None, False)
+  out['mask'] = model.decoder_mask(out['class_scores'], None, False)
   return out
 
 
@@ -164,7 +164,7 @@ def capsnet_routing(model: nnx.Module, image: ArrayLike) -> dict[str, Any]:
   if coupling.shape[0] != int(np.prod(grid)):
     raise ValueError(f'coupling {coupling.shape} does not match the primary '
                      f'capsule grid {grid}.')
-  scores = np.asarray(out['lengths'][0])
+  scores = np.asarray(out['class_scores'][0])
   return {'coupling': coupling,
           'primary_lengths': np.asarray(out['primary_lengths'][0]),
           'grid': grid, 'scores': scores, 'prediction': int(np.argmax(scores))}
@@ -194,7 +194,7 @@ def em_class_routing(model: nnx.Module, image: ArrayLike) -> dict[str, Any]:
   if image.ndim != 3:
     raise ValueError(f'image must be [H, W, C], got shape {image.shape}.')
   out = _outputs(model, jnp.asarray(image[None]))
-  scores = np.asarray(out['activations'][0])
+  scores = np.asarray(out['class_scores'][0])
   rows, cols = (sizes[-1] for sizes in model.grid_sizes)
   return {'assignments': np.asarray(out['assignments'][0]),
           'input_activations': np.asarray(out['class_input_activations'][0]),

@@ -6,8 +6,10 @@
 Every model is called as ``model(images [B, H, W, C] float32, labels=None, *,
 train=False) -> dict``. ``labels`` is int [B] or multi-hot float [B, K]; only
 models with a reconstruction decoder use it. Experiments use
-``create_model``, ``MODEL_FAMILY`` (which trainer: 'dynamic' or 'em'),
-``list_models`` and ``count_params``; they never import the classes.
+``create_model``, ``list_models`` and ``count_params``; they never import the
+classes. Every model returns its class scores [B, K] (their argmax is the
+prediction) under ``'class_scores'`` and names its family (``FAMILY``:
+``capsjax.families`` owns what its scores are, its losses and its trainer).
 
 Parameter counts (``count_params``, default options):
 - 'capsnet' 28x28x1: 8,215,728 = conv1 20,992 + primary 5,308,672 + digit W
@@ -24,6 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -132,14 +135,15 @@ class CapsNet(nnx.Module):
     + b); LeCun-normal kernels and zero biases for the convolutions and the
     decoder (the capsule transforms as above); ``leaky`` in DigitCaps only.
 
-  Returns {'lengths': [B, K], 'capsules': [B, K, digit_dim],
-  'coupling': [B, I, K] (I primary capsules), 'primary_lengths': [B, I]
-  (the primary capsules' lengths, which scale their votes), and with
-  ``reconstruction``
-  'reconstructions': [B, H*W*C]}. The decoder sees only the label's capsule
-  when ``train`` and labels are given (a multi-hot [B, K] label keeps several),
-  else only the longest capsule.
+  Returns {'class_scores': [B, K] capsule lengths, 'capsules': [B, K,
+  digit_dim], 'coupling': [B, I, K] (I primary capsules), 'primary_lengths':
+  [B, I] (the primary capsules' lengths, which scale their votes), and with
+  ``reconstruction`` 'reconstructions': [B, H*W*C]}. The decoder sees only
+  the label's capsule when ``train`` and labels are given (a multi-hot [B,
+  K] label keeps several), else only the longest capsule.
   """
+
+  FAMILY: ClassVar[str] = 'capsnet'
 
   def __init__(self, *, input_shape: Sequence[int] = (28, 28, 1),
                num_classes: int = 10, conv1_channels: int = 256,
@@ -248,7 +252,7 @@ class CapsNet(nnx.Module):
     primary = self.primary(features)  # [B, I, primary_dim]
     capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
     lengths = _lengths(capsules)
-    out = {'lengths': lengths, 'capsules': capsules, 'coupling': coupling,
+    out = {'class_scores': lengths, 'capsules': capsules, 'coupling': coupling,
            'primary_lengths': routing.safe_norm(primary, axis=-1)}
     if self.decoder is not None:
       mask = self.decoder_mask(lengths, labels, train)
@@ -267,9 +271,11 @@ class BaselineCNN(nnx.Module):
   819,328 (convs) + 32,915,784 (FC 328 on 28*28*128 inputs) + 63,168 +
   1,930 = 35,445,522; pooling would shrink the FC 328 layer far below that.
 
-  Returns {'logits': [B, K]}. Dropout draws from the model's own 'dropout'
-  stream (``rngs``), only when ``train=True``.
+  Returns {'class_scores': [B, K] logits}. Dropout draws from the model's
+  own 'dropout' stream (``rngs``), only when ``train=True``.
   """
+
+  FAMILY: ClassVar[str] = 'cnn'
 
   def __init__(self, *, input_shape: Sequence[int] = (28, 28, 1),
                num_classes: int = 10,
@@ -306,7 +312,7 @@ class BaselineCNN(nnx.Module):
       x = jax.nn.relu(conv(x))
     x = jax.nn.relu(self.hidden(x.reshape(x.shape[0], -1)))
     x = self.dropout(x, deterministic=not train)
-    return {'logits': self.head(x)}
+    return {'class_scores': self.head(x)}
 
 
 # ----------------------------------------------------------------------------
@@ -371,11 +377,13 @@ class MatrixCapsNet(nnx.Module):
   ``class_lambda_scale`` multiplies the other layers' lambda there (the
   released code: 0.25, final lambda / 4).
 
-  Returns {'activations': [B, K], 'poses': [B, K, 4, 4], and the class
-  layer's routing: 'assignments' [B, I, K] (I = h * w * D ConvCaps2
-  capsules, ordered (row, column, type)) and 'class_input_activations'
-  [B, I]}.
+  Returns {'class_scores': [B, K] class activations, 'poses': [B, K, 4, 4],
+  and the class layer's routing: 'assignments' [B, I, K] (I = h * w * D
+  ConvCaps2 capsules, ordered (row, column, type)) and
+  'class_input_activations' [B, I]}.
   """
+
+  FAMILY: ClassVar[str] = 'em'
 
   def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
                num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
@@ -486,7 +494,7 @@ class MatrixCapsNet(nnx.Module):
     poses, acts = self.caps1(poses, acts)
     poses, acts = self.caps2(poses, acts)
     class_poses, class_acts, assignments = self.class_caps.route(poses, acts)
-    return {'activations': class_acts, 'poses': class_poses,
+    return {'class_scores': class_acts, 'poses': class_poses,
             'assignments': assignments,
             'class_input_activations': acts.reshape(acts.shape[0], -1)}
 
@@ -537,8 +545,10 @@ class TwoDigitBaseline(nnx.Module):
 
   Any input size >= 14x14 with the same parameters. Kernels are Keras'
   default glorot uniform, as Su's (``kernel_init='lecun_normal'``: Flax's).
-  Returns {'scores': [B, K]} (sigmoid: K independent binary problems).
+  Returns {'class_scores': [B, K]} (sigmoid: K independent binary problems).
   """
+
+  FAMILY: ClassVar[str] = 'two_digit'
 
   def __init__(self, *, input_channels: int = 1, num_classes: int = 10,
                trunk_widths: Sequence[int] = (64, 64, 128, 128),
@@ -562,7 +572,7 @@ class TwoDigitBaseline(nnx.Module):
     # The head in float32 (128 -> 128 -> K: cheap), so that bfloat16
     # compute does not round the scores into ties (see _lengths).
     pooled = x.mean(axis=(1, 2)).astype(jnp.float32)
-    return {'scores': jax.nn.sigmoid(self.head(pooled))}
+    return {'class_scores': jax.nn.sigmoid(self.head(pooled))}
 
 
 class TwoDigitCapsNet(nnx.Module):
@@ -576,9 +586,11 @@ class TwoDigitCapsNet(nnx.Module):
   False is his blog's agreement with squash(s)). Trunk kernels are Keras'
   glorot uniform, as Su's. Any input size >= 14x14 with the same parameters.
 
-  Returns {'scores': [B, K], 'capsules': [B, K, capsule_dim],
-  'coupling': [B, h*w, K]}.
+  Returns {'class_scores': [B, K] capsule lengths, 'capsules': [B, K,
+  capsule_dim], 'coupling': [B, h*w, K]}.
   """
+
+  FAMILY: ClassVar[str] = 'two_digit'
 
   def __init__(self, *, input_channels: int = 1, num_classes: int = 10,
                trunk_widths: Sequence[int] = (64, 64, 128, 128),
@@ -606,7 +618,7 @@ class TwoDigitCapsNet(nnx.Module):
                                  self.trunk.convs[0].kernel.dtype))
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, h*w, 128]
     capsules, coupling = self.capsules(x)
-    return {'scores': _lengths(capsules), 'capsules': capsules,
+    return {'class_scores': _lengths(capsules), 'capsules': capsules,
             'coupling': coupling}
 
 
@@ -620,16 +632,6 @@ _MODELS: dict[str, type[nnx.Module]] = {
     'two_digit_baseline': TwoDigitBaseline,
     'two_digit_capsnet': TwoDigitCapsNet,
 }
-
-# Which training loop a model belongs to: training.dynamic or training.em.
-MODEL_FAMILY: dict[str, str] = {
-    'capsnet': 'dynamic',
-    'baseline_cnn': 'dynamic',
-    'matrix_capsnet': 'em',
-    'two_digit_baseline': 'dynamic',
-    'two_digit_capsnet': 'dynamic',
-}
-
 
 def list_models() -> tuple[str, ...]:
   """Names accepted by ``create_model``, sorted."""
@@ -669,15 +671,6 @@ def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
   return cls(rngs=rngs, **options)
 
 
-def class_scores(outputs: dict[str, jax.Array]) -> jax.Array:
-  """[B, K] scores whose argmax is the prediction, whatever the model:
-  capsule lengths, logits, Su's sigmoid scores or EM activations."""
-  for key in ('lengths', 'logits', 'scores', 'activations'):
-    if key in outputs:
-      return outputs[key]
-  raise KeyError(f'model outputs {sorted(outputs)} hold no class scores.')
-
-
 def count_params(model: nnx.Module) -> int:
   """Number of trainable parameters (``nnx.Param`` entries) of ``model``."""
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -685,13 +678,11 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = (
-    'MODEL_FAMILY',
     'BaselineCNN',
     'CapsNet',
     'MatrixCapsNet',
     'TwoDigitBaseline',
     'TwoDigitCapsNet',
-    'class_scores',
     'count_params',
     'create_model',
     'list_models',

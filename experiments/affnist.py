@@ -23,7 +23,6 @@ from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import figures
-from capsjax import models
 from capsjax import training
 from capsjax.data.affnist import IMAGE_SIZE as AFFNIST_SIZE
 from capsjax.evaluators import affine
@@ -65,10 +64,26 @@ def run_config(config: ml_collections.ConfigDict,
 
 @nnx.jit
 def _scores(model: nnx.Module, images):
-  return models.class_scores(model(images, train=False))
+  return model(images, train=False)['class_scores']
 
 
-def _model_record(name: str, summary: dict[str, Any]) -> dict[str, Any]:
+def reach_accuracy(target: float):
+  """``loop.fit``'s ``stop_when``: stop at the first best validation
+  accuracy >= ``target``, in (0, 1]."""
+  if not 0 < target <= 1:
+    raise ValueError(f'the target accuracy must be in (0, 1], got {target!r}.')
+
+  def stop_when(record: dict[str, Any]) -> str | None:
+    if record['accuracy'] < target:
+      return None
+    return (f'Validation accuracy {record["accuracy"]:.4f} reached the target '
+            f'{target}')
+
+  return stop_when
+
+
+def _model_record(name: str, summary: dict[str, Any],
+                  target: float | None) -> dict[str, Any]:
   evals = summary['evals']
   return {
       'model': summary['model'],
@@ -76,8 +91,8 @@ def _model_record(name: str, summary: dict[str, Any]) -> dict[str, Any]:
       'steps': summary['steps'],
       'selected_step': summary['selected_step'],
       'batch_size': summary['batch_size'],
-      'target_accuracy': summary.get('target_accuracy'),
-      'reached_target': summary.get('reached_target'),
+      'target_accuracy': target,
+      'reached_target': summary.get('stopped_early'),
       'train_wall_s_this_run': summary['train_wall_s_this_run'],
       'expanded_mnist_validation_accuracy': (summary['validation'] or {}).get(
           'accuracy'),
@@ -95,18 +110,23 @@ def run_affnist(config: ml_collections.ConfigDict, workdir: str
   workdir = os.path.abspath(workdir)
   runs = {'capsnet': run_config(config, config.capsnet),
           'baseline_cnn': run_config(config, config.baseline)}
-  summaries = {}
+  summaries, targets = {}, {name: None for name in _NAMES}
   for name in _NAMES:
     run = runs[name]
+    fit_options = {}
     if name == 'baseline_cnn' and config.match_capsnet:
       if not summaries['capsnet']['validation']:
         raise ValueError('match_capsnet needs a validation split: set '
                          'capsnet.validation_size > 0 (or match_capsnet='
                          'False).')
-      run.target_accuracy = summaries['capsnet']['validation']['accuracy']
+      # An accuracy of 0 is no target: the CNN trains all its steps.
+      targets[name] = summaries['capsnet']['validation']['accuracy'] or None
+      if targets[name]:
+        fit_options['stop_when'] = reach_accuracy(targets[name])
     print(f'--- {name} ({run.model}) on MNIST digits placed at random on '
           f'{run.canvas_size}x{run.canvas_size} ---', flush=True)
-    summaries[name] = training.train(run, os.path.join(workdir, name))
+    summaries[name] = training.train(run, os.path.join(workdir, name),
+                                     **fit_options)
 
   examples = affine.test_split(runs['capsnet'], size=config.affine_test_size,
                                seed=config.affine_seed)
@@ -131,7 +151,8 @@ def run_affnist(config: ml_collections.ConfigDict, workdir: str
       'affine_mnist': {'size': len(examples.labels),
                        'seed': config.affine_seed},
       'affnist_dir': config.affnist_dir or None,
-      'models': {name: _model_record(name, summaries[name]) for name in _NAMES},
+      'models': {name: _model_record(name, summaries[name], targets[name])
+                 for name in _NAMES},
       'figure': figure if count else None,
       'device': summaries['capsnet']['device'],
       'git_commit': summaries['capsnet']['git_commit'],

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from capsjax import adversarial
+from capsjax import families
 from capsjax import losses
 from capsjax import models
 from capsjax.evaluators import attacks
@@ -172,47 +173,66 @@ def test_attack_losses():
   logits = jnp.asarray(rng.normal(0, 2, (B, K)), jnp.float32)
   one_hot = jax.nn.one_hot(labels, K)
   cases = [
-      ({'logits': logits}, losses.cross_entropy_loss(logits, labels)),
-      ({'lengths': lengths, 'reconstructions': jnp.zeros((B, 4))},
+      ('baseline_cnn', {'class_scores': logits},
+       losses.cross_entropy_loss(logits, labels)),
+      ('capsnet', {'class_scores': lengths,
+                   'reconstructions': jnp.zeros((B, 4))},
        losses.margin_loss(lengths, one_hot)),
-      ({'scores': lengths},
+      ('two_digit_baseline', {'class_scores': lengths},
        losses.margin_loss(lengths, one_hot, negative_weight=0.25)),
-      ({'activations': lengths}, losses.spread_loss(lengths, labels, 0.7)),
+      ('matrix_capsnet', {'class_scores': lengths},
+       losses.spread_loss(lengths, labels, 0.7)),
   ]
-  for outputs, expected in cases:
+  for model, outputs, expected in cases:
     np.testing.assert_allclose(
-        adversarial.attack_loss(outputs, labels, spread_margin=0.7), expected,
-        rtol=1e-6)
+        families.of(model).attack_loss(outputs, labels, spread_margin=0.7),
+        expected, rtol=1e-6)
   log_odds = np.log(lengths) - np.log1p(-np.asarray(lengths))
+  for model in ('capsnet', 'two_digit_capsnet', 'matrix_capsnet'):
+    np.testing.assert_allclose(
+        families.of(model).attack_loss({'class_scores': lengths}, labels,
+                                       kind='cross_entropy'),
+        losses.cross_entropy_loss(log_odds, labels), rtol=1e-5)
   np.testing.assert_allclose(
-      adversarial.attack_loss({'lengths': lengths}, labels,
-                              kind='cross_entropy'),
-      losses.cross_entropy_loss(log_odds, labels), rtol=1e-5)
+      families.of('baseline_cnn').attack_loss(
+          {'class_scores': logits}, labels, kind='cross_entropy'),
+      losses.cross_entropy_loss(logits, labels), rtol=1e-6)
   with pytest.raises(ValueError, match='unknown attack loss'):
-    adversarial.attack_loss({'logits': logits}, labels, kind='hinge')
+    families.of('baseline_cnn').attack_loss({'class_scores': logits}, labels,
+                                            kind='hinge')
   with pytest.raises(ValueError, match='unknown attack'):
     adversarial.attack('pgd', _mlp_loss(), jnp.zeros((1, H, W, C)),
                        jnp.zeros(1, jnp.int32), 0.1)
 
 
 class _Linear(nnx.Module):
-  """A linear classifier as a capsjax model: 'logits' or capsule-like 'lengths'."""
+  """A linear classifier as a capsjax model of the 'cnn' family: logits."""
 
-  def __init__(self, weights, bias, output):
+  FAMILY = 'cnn'
+
+  def __init__(self, weights, bias):
     self.weights = nnx.Param(jnp.asarray(weights))
     self.bias = nnx.Param(jnp.asarray(bias))
-    self.output = output
+
+  def logits(self, x):
+    return x.reshape(x.shape[0], -1) @ self.weights + self.bias[None]
 
   def __call__(self, x, labels=None, *, train=False):
-    logits = x.reshape(x.shape[0], -1) @ self.weights + self.bias[None]
-    if self.output == 'logits':
-      return {'logits': logits}
-    return {'lengths': jax.nn.sigmoid(logits)}
+    return {'class_scores': self.logits(x)}
+
+
+class _LinearCapsules(_Linear):
+  """The same of the 'capsnet' family: capsule-like lengths sigmoid(logits)."""
+
+  FAMILY = 'capsnet'
+
+  def __call__(self, x, labels=None, *, train=False):
+    return {'class_scores': jax.nn.sigmoid(self.logits(x))}
 
 
 def test_evaluate_attacks_against_numpy(problem):
   images, labels, weights, bias = problem
-  model = _Linear(weights, bias, 'logits')
+  model = _Linear(weights, bias)
   epsilons = (0.0, 0.05, 0.2)
   out = adversarial.evaluate_attacks(
       model, images, labels, epsilons, step_size=0.02, num_steps=5,
@@ -238,12 +258,12 @@ def test_margin_loss_saturation_shows_as_zero_gradients(problem):
   weights = weights.astype(np.float32)
   target = np.zeros(B, np.int32)
   bias = np.full(K, -8.0, np.float32)  # every length < 0.001
-  model = _Linear(weights, bias, 'lengths')
+  model = _LinearCapsules(weights, bias)
   out = adversarial.evaluate_attacks(model, images, target, (0.0, 0.1),
                                      num_steps=2)
   assert out['zero_gradient_fraction'] == 0.0  # class 0 is below 0.9: a push
   bias = np.array([8.0, -8.0, -8.0], np.float32)  # class 0 above 0.9
-  model = _Linear(weights, bias, 'lengths')
+  model = _LinearCapsules(weights, bias)
   out = adversarial.evaluate_attacks(model, images, target, (0.0, 0.1),
                                      num_steps=2)
   assert out['zero_gradient_fraction'] == 1.0

@@ -19,6 +19,7 @@ from capsjax import training
 from capsjax.training import dynamic
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from experiments import affnist
 from experiments.configs import capsnet_affnist
 from experiments.configs import common
 from tests import conftest
@@ -39,7 +40,7 @@ def _digits(seed, n):
 
 def test_on_canvas_places_each_digit_whole_and_fixed_by_seed():
   images, labels = _digits(0, 50)
-  split = dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=3)
+  split = data_lib.on_canvas(data_lib.Split(images, labels), 40, seed=3)
   assert split.images.shape == (50, 40, 40, 1)
   assert split.images.dtype == np.uint8
   np.testing.assert_array_equal(split.labels, labels)
@@ -54,11 +55,11 @@ def test_on_canvas_places_each_digit_whole_and_fixed_by_seed():
     assert placed.sum() == source.sum()
     corners.add((dr, dc))
   assert len(corners) > 20  # random places, not one
-  again = dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=3)
+  again = data_lib.on_canvas(data_lib.Split(images, labels), 40, seed=3)
   np.testing.assert_array_equal(again.images, split.images)
-  other = dynamic.on_canvas(data_lib.Split(images, labels), 40, seed=4)
+  other = data_lib.on_canvas(data_lib.Split(images, labels), 40, seed=4)
   assert not np.array_equal(other.images, split.images)
-  empty = dynamic.on_canvas(data_lib.Split(images[:0], labels[:0]), 40, 0)
+  empty = data_lib.on_canvas(data_lib.Split(images[:0], labels[:0]), 40, 0)
   assert empty.images.shape == (0, 40, 40, 1)
 
 
@@ -85,7 +86,7 @@ def test_train_step_places_digits_on_the_canvas_with_the_key():
   placed = data_lib.place_on_canvas(jax.random.fold_in(key, 1),
                                     data_lib.to_float(images), 40)
   model = nnx.merge(graphdef, state.params, state.model_state)
-  logits = model(placed, labels, train=True)['logits']
+  logits = model(placed, labels, train=True)['class_scores']
   want = np.mean(-jax.nn.log_softmax(logits)[np.arange(8), labels])
   _, metrics = jax.jit(functools.partial(steps.train_step, graphdef))(
       state, images, labels, key)
@@ -95,42 +96,47 @@ def test_train_step_places_digits_on_the_canvas_with_the_key():
 def _dataset(n_train=64, n_eval=32):
   images, labels = _digits(2, n_train + 2 * n_eval)
   train = data_lib.Split(images[:n_train], labels[:n_train])
-  val = dynamic.on_canvas(
+  val = data_lib.on_canvas(
       data_lib.Split(images[n_train:n_train + n_eval],
                      labels[n_train:n_train + n_eval]), 40, 0)
-  test = dynamic.on_canvas(
+  test = data_lib.on_canvas(
       data_lib.Split(images[-n_eval:], labels[-n_eval:]), 40, 1)
   return data_lib.Dataset(train, val, test, 10, 'blobs')
 
 
-def test_target_accuracy_stops_training_and_resume_keeps_it(tmp_path):
+def test_target_accuracy_stops_training_and_resume_keeps_it(tmp_path, capsys):
   dataset = _dataset()
   config = _baseline_config(num_train_steps=30, eval_every_steps=5,
-                            checkpoint_every_steps=5, log_every_steps=5,
-                            target_accuracy=1e-6)
+                            checkpoint_every_steps=5, log_every_steps=5)
   steps = dynamic.make_steps(config, state_lib.make_optimizer(config))
   config.evals = {'again': dict(type='classification', split='test')}
-  summary = loop.fit(config, str(tmp_path), steps, dataset)
+  reach = affnist.reach_accuracy(1e-6)
+  summary = loop.fit(config, str(tmp_path), steps, dataset, stop_when=reach)
   # Any accuracy > 0 reaches the target at the first evaluation.
   assert summary['validation']['accuracy'] >= 1e-6
-  assert summary['steps'] == 5 and summary['reached_target']
-  assert summary['target_accuracy'] == 1e-6
+  assert summary['steps'] == 5 and summary['stopped_early']
+  assert not summary['stopped_by_time_limit']
   assert summary['evals']['again'] == summary['test']
+  assert 'reached the target 1e-06 at step 5; stopping.' in (
+      capsys.readouterr().out)
   # A rerun of a run that reached its target trains no further.
   config.evals = {}
-  again = loop.fit(config, str(tmp_path), steps, dataset)
-  assert again['steps'] == 5 and again['reached_target']
+  again = loop.fit(config, str(tmp_path), steps, dataset, stop_when=reach)
+  assert again['steps'] == 5 and again['stopped_early']
   assert 'evals' not in again
 
-  # An unreachable target: all steps, not reached.
-  config.target_accuracy = 1.0  # 32 random blobs: never all right
-  unreached = loop.fit(config, str(tmp_path / 'all'), steps, dataset)
-  assert unreached['steps'] == 30 and not unreached['reached_target']
+  # An unreachable target: all steps, not reached; without a rule the
+  # summary says nothing of one.
+  unreached = loop.fit(config, str(tmp_path / 'all'), steps, dataset,
+                       stop_when=affnist.reach_accuracy(1.0))
+  assert unreached['steps'] == 30 and not unreached['stopped_early']
+  plain = loop.fit(config, str(tmp_path / 'all'), steps, dataset)
+  assert 'stopped_early' not in plain
 
 
 def test_bad_training_keys_are_clear_errors():
-  with pytest.raises(ValueError, match=r'config.target_accuracy must be in'):
-    loop.check_config(_baseline_config(target_accuracy=1.5))
+  with pytest.raises(ValueError, match=r'target accuracy must be in'):
+    affnist.reach_accuracy(1.5)
   with pytest.raises(ValueError, match=r'config.canvas_size must be'):
     loop.check_config(_baseline_config(canvas_size=-40))
 
@@ -227,8 +233,8 @@ def check_smoke_workdir(workdir, images, file_labels, labels):
   for name, model in record['models'].items():
     summary = json.load(open(workdir / name / 'summary.json'))
     selected = training.load_trained_model(str(workdir / name), 'best')
-    predictions = np.argmax(models.class_scores(
-        figures.model_outputs(selected, images)), -1)
+    predictions = np.argmax(
+        figures.model_outputs(selected, images)['class_scores'], -1)
     assert model['affnist_accuracy'] == pytest.approx(
         np.mean(predictions == file_labels), abs=1e-9)
     assert model['affine_mnist_accuracy'] == pytest.approx(

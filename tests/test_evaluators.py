@@ -83,7 +83,7 @@ def test_reported_test_numbers_are_a_direct_count_on_the_selected_model(
   model = training.load_trained_model(workdir, 'best')
   images = test.images.astype(np.float32) / 255.0
   outputs = jax.device_get(model(images, train=False))
-  lengths = np.asarray(outputs['lengths'], np.float64)
+  lengths = np.asarray(outputs['class_scores'], np.float64)
   accuracy = np.mean(np.argmax(lengths, -1) == test.labels)
   reconstruction = np.sum((np.asarray(outputs['reconstructions'], np.float64)
                            - images.reshape(_NUM_TEST, -1)) ** 2, axis=-1)
@@ -112,7 +112,7 @@ def test_attacks_at_epsilon_zero_are_the_clean_accuracy(trained):
   context = training.load_context(workdir)
   row = attacks.evaluate(context, epsilons=(0.0, 0.3), num_examples=20,
                          bim_steps=2, bim_step_size=0.2, batch_size=20)
-  lengths = context.model(test.images[:20] / 255.0, train=False)['lengths']
+  lengths = context.model(test.images[:20] / 255.0, train=False)['class_scores']
   clean = np.mean(np.argmax(lengths, -1) == test.labels[:20])
   assert row['clean_accuracy'] == pytest.approx(clean)
   assert row['fgsm'][0] == row['bim'][0] == row['clean_accuracy']
@@ -136,7 +136,7 @@ def test_two_digit_pairs_counts_both_classes_of_each_pair(tmp_path):
     # Direct: the pairs of seed 3, both classes among the two top scores.
     pairs = data_lib.digit_pairs(test.images, test.labels, 3, layout)
     images = pairs['image'][:25].astype(np.float32) / 255.0
-    scores = np.asarray(model(images, train=False)['scores'])
+    scores = np.asarray(model(images, train=False)['class_scores'])
     right = conftest.np_both_in_top2(scores, pairs['labels'][:25])
     second = np.sort(scores, -1)[:, -2]
     assert result['num_pairs'] == 25 and result['layout'] == layout

@@ -85,7 +85,7 @@ def test_perturbed_reconstructions(capsnet, images):
   # Tile (d, s) is the winning capsule alone, its dimension d (and no other
   # entry) moved by steps[s], decoded by the model's own per-digit decoder.
   capsules = out['capsules'][0]
-  winner = int(np.argmax(out['lengths'][0]))
+  winner = int(np.argmax(out['class_scores'][0]))
   for d, s in ((0, 0), (7, 3), (15, 10)):
     moved = capsules.copy()
     moved[winner, d] += steps[s]
@@ -116,7 +116,7 @@ def test_reconstruction_grid_writes_png(capsnet, images, tmp_path):
   path = tmp_path / 'sub' / 'reconstructions.png'
   fig = figures.reconstruction_grid(
       images, out['reconstructions'], path, labels=[1, 0, 4, 7],
-      predictions=np.argmax(out['lengths'], -1))
+      predictions=np.argmax(out['class_scores'], -1))
   assert fig is not None and len(fig.axes) == 8
   height, width, _ = _check_png(path)
   assert width > height  # four columns, two rows
@@ -142,7 +142,7 @@ def test_capsnet_routing_and_coupling_figure(capsnet, images, tmp_path):
   np.testing.assert_allclose(info['coupling'], out['coupling'][0], atol=1e-6)
   assert info['primary_lengths'].shape == (144,)
   assert np.all((info['primary_lengths'] >= 0) & (info['primary_lengths'] < 1))
-  assert info['prediction'] == int(np.argmax(out['lengths'][0]))
+  assert info['prediction'] == int(np.argmax(out['class_scores'][0]))
   path = tmp_path / 'coupling.png'
   fig = figures.coupling_figure(
       images[0], info['coupling'], info['grid'], path,
@@ -165,8 +165,8 @@ def test_em_class_routing_and_assignment_figure(matrix_capsnet, images,
   assert info['scores'].shape == (10,)
   # The picture's forward pass is the model's own.
   out = figures.model_outputs(matrix_capsnet, images[1:2])
-  np.testing.assert_allclose(info['scores'], out['activations'][0], atol=1e-6)
-  assert info['prediction'] == int(np.argmax(out['activations'][0]))
+  np.testing.assert_allclose(info['scores'], out['class_scores'][0], atol=1e-6)
+  assert info['prediction'] == int(np.argmax(out['class_scores'][0]))
   path = tmp_path / 'assignments.png'
   figures.assignment_figure(
       images[1], info['assignments'], path, grid=info['grid'],

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from capsjax import families
 from capsjax import models
 
 # Small widths: the full models are slow to compile and run on a CPU.
@@ -48,10 +49,16 @@ def test_registry_lists_every_model_with_a_family():
   names = models.list_models()
   assert names == ('baseline_cnn', 'capsnet', 'matrix_capsnet',
                    'two_digit_baseline', 'two_digit_capsnet')
-  assert set(models.MODEL_FAMILY) == set(names)
-  assert models.MODEL_FAMILY['matrix_capsnet'] == 'em'
-  assert models.MODEL_FAMILY['capsnet'] == 'dynamic'
-  assert set(models.MODEL_FAMILY.values()) == {'dynamic', 'em'}
+  assert {name: families.of(name).name for name in names} == {
+      'baseline_cnn': 'cnn', 'capsnet': 'capsnet', 'matrix_capsnet': 'em',
+      'two_digit_baseline': 'two_digit', 'two_digit_capsnet': 'two_digit'}
+  assert {families.of(name).trainer.__name__ for name in names} == {
+      'capsjax.training.dynamic', 'capsjax.training.em'}
+  assert families.of(models.create_model(
+      'two_digit_baseline', rngs=nnx.Rngs(0))) is families.of(
+          'two_digit_capsnet')
+  with pytest.raises(ValueError, match='valid names: baseline_cnn, capsnet'):
+    families.of('capsule_net')
   assert models.model_options('capsnet')['num_iterations'] == 3
 
 
@@ -119,8 +126,8 @@ def test_bfloat16_forward_keeps_class_scores_distinct(name):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   low_model = nnx.merge(graphdef, state_lib.cast_floating(params,
                                                           jnp.bfloat16), rest)
-  high = np.asarray(models.class_scores(model(images)))
-  low = models.class_scores(low_model(images.astype(jnp.bfloat16)))
+  high = np.asarray(model(images)['class_scores'])
+  low = low_model(images.astype(jnp.bfloat16))['class_scores']
   if name == 'baseline_cnn':  # logits, not a score in [0, 1]
     return
   assert low.dtype == jnp.float32, name
@@ -216,18 +223,18 @@ def test_capsnet_small_outputs_masks_and_grads():
     train = model(images, labels, train=True)
     multi = model(images, multi_hot, train=True)
     test = model(images, labels, train=False)
-    longest = jax.nn.one_hot(jnp.argmax(test['lengths'], -1), 10)
+    longest = jax.nn.one_hot(jnp.argmax(test['class_scores'], -1), 10)
     refs = (decode(train['capsules'], jax.nn.one_hot(labels, 10)),
             decode(train['capsules'], multi_hot),
             decode(test['capsules'], longest))
     return train, multi, test, refs
 
   train, multi, test, refs = run(model, images, labels, multi_hot)
-  chex.assert_shape(train['lengths'], dims['BK'])
+  chex.assert_shape(train['class_scores'], dims['BK'])
   chex.assert_shape(train['capsules'], dims['BKD'])
   chex.assert_shape(train['coupling'], dims['BIK'])
   chex.assert_shape(train['reconstructions'], dims['BN'])
-  lengths = np.asarray(train['lengths'])
+  lengths = np.asarray(train['class_scores'])
   assert np.all((lengths >= 0) & (lengths < 1))
   np.testing.assert_allclose(lengths, np.linalg.norm(train['capsules'],
                                                      axis=-1), rtol=1e-5)
@@ -239,7 +246,7 @@ def test_capsnet_small_outputs_masks_and_grads():
   np.testing.assert_allclose(test['capsules'], train['capsules'], rtol=1e-6)
 
   (value, out), grads = _loss_and_grads(
-      model, images, labels, loss_key=('lengths', 'reconstructions'))
+      model, images, labels, loss_key=('class_scores', 'reconstructions'))
   assert np.isfinite(value) and _all_finite(grads)
   chex.assert_trees_all_equal_shapes(grads, nnx.state(model, nnx.Param))
 
@@ -248,7 +255,7 @@ def test_full_capsnet_forward():
   dims = chex.Dimensions(B=2, K=10, D=16, I=1152, N=784)
   model = models.create_model('capsnet', rngs=nnx.Rngs(0))
   out = nnx.jit(lambda m, x: m(x))(model, _images(1, (dims.B, 28, 28, 1)))
-  chex.assert_shape(out['lengths'], dims['BK'])
+  chex.assert_shape(out['class_scores'], dims['BK'])
   chex.assert_shape(out['capsules'], dims['BKD'])
   chex.assert_shape(out['coupling'], dims['BIK'])
   chex.assert_shape(out['reconstructions'], dims['BN'])
@@ -260,7 +267,7 @@ def test_baseline_cnn_small_dropout_only_in_training():
       'baseline_cnn', rngs=nnx.Rngs(params=0, dropout=1),
       conv_channels=(8, 8, 4), fc_widths=(16, 8))
   images = _images(2, (3, 28, 28, 1))
-  forward = nnx.jit(lambda m, x, train: m(x, train=train)['logits'],
+  forward = nnx.jit(lambda m, x, train: m(x, train=train)['class_scores'],
                     static_argnames='train')
   eval_1, eval_2 = forward(model, images, False), forward(model, images, False)
   train_1, train_2 = forward(model, images, True), forward(model, images, True)
@@ -276,15 +283,15 @@ def test_matrix_capsnet_small_outputs_and_grads():
                               **SMALL_MATRIX)
   images = _images(3, (dims.B, 32, 32, 1))
   (value, out), grads = _loss_and_grads(
-      model, images, None, loss_key=('activations', 'poses'))
-  chex.assert_shape(out['activations'], dims['BK'])
+      model, images, None, loss_key=('class_scores', 'poses'))
+  chex.assert_shape(out['class_scores'], dims['BK'])
   chex.assert_shape(out['poses'], dims['BKPP'])
-  acts = np.asarray(out['activations'])
+  acts = np.asarray(out['class_scores'])
   assert np.all((acts > 0) & (acts < 1))
   assert np.isfinite(value) and _all_finite(grads)
   # Blank images: every pose equal; still finite (the same compiled program).
   (value, _), grads = _loss_and_grads(
-      model, np.zeros_like(images), None, loss_key=('activations', 'poses'))
+      model, np.zeros_like(images), None, loss_key=('class_scores', 'poses'))
   assert np.isfinite(value) and _all_finite(grads)
 
 
@@ -310,7 +317,7 @@ def test_matrix_capsnet_options_reach_the_layers_on_mnist_shapes():
       0.001, 0.002, 0.003)
   out = nnx.eval_shape(lambda m, x: m(x), model,
                        jax.ShapeDtypeStruct((2, 28, 28, 1), jnp.float32))
-  assert out['activations'].shape == (2, 10)
+  assert out['class_scores'].shape == (2, 10)
   assert out['poses'].shape == (2, 10, 4, 4)
   assert out['poses'].dtype == jnp.float32
 
@@ -373,23 +380,23 @@ def test_two_digit_models_accept_any_width(name):
   @nnx.jit
   def run(model, single, pair):
     grad_fn = nnx.value_and_grad(
-        lambda m: (jnp.sum(m(pair)['scores']), m(pair)), has_aux=True)
+        lambda m: (jnp.sum(m(pair)['class_scores']), m(pair)), has_aux=True)
     return model(single), grad_fn(model)
 
   single, ((value, pair), grads) = run(
       model, _images(5, (2, 28, 28, 1)), _images(6, (2, 28, 56, 1)))
-  chex.assert_shape(single['scores'], (2, 10))
-  chex.assert_shape(pair['scores'], (2, 10))
+  chex.assert_shape(single['class_scores'], (2, 10))
+  chex.assert_shape(pair['class_scores'], (2, 10))
   assert np.isfinite(value) and _all_finite(grads)
   for out in (single, pair):
-    scores = np.asarray(out['scores'])
+    scores = np.asarray(out['class_scores'])
     assert np.all((scores >= 0) & (scores <= 1))
   if name == 'two_digit_capsnet':
     chex.assert_shape(single['capsules'], (2, 10, 16))
     chex.assert_shape(single['coupling'], (2, 8 * 8, 10))
     chex.assert_shape(pair['coupling'], (2, 8 * 22, 10))
     np.testing.assert_allclose(
-        single['scores'], np.linalg.norm(single['capsules'], axis=-1),
+        single['class_scores'], np.linalg.norm(single['capsules'], axis=-1),
         rtol=1e-5)
 
 

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from capsjax import data as data_lib
+from capsjax import families
 from capsjax import figures
 from capsjax import models
 from capsjax import training
@@ -72,9 +73,10 @@ def _inputs(seed, b=5, k=10, n=36 * 36):
 
 def test_two_label_margin_and_reconstruction_loss_match_numpy():
   lengths, labels, recon, digits = _inputs(0)
-  outputs = {'lengths': lengths, 'digit_reconstructions': recon}
+  outputs = {'class_scores': lengths, 'digit_reconstructions': recon}
   loss, metrics = jax.jit(functools.partial(
-      dynamic.two_digit_loss, config=_config()))(outputs, labels, digits)
+      families.of('capsnet').multi_label_loss, config=_config()))(
+          outputs, labels, digits=digits)
   margin = margin_reference(lengths, labels)
   # Each reconstruction against its OWN digit, summed over the two digits.
   flat = digits.reshape(5, 2, -1).astype(np.float64)
@@ -85,33 +87,33 @@ def test_two_label_margin_and_reconstruction_loss_match_numpy():
                              reconstruction.mean(), rtol=1e-5)
   # Swapping the two targets' images changes the loss: no digit is matched
   # against the other's reconstruction.
-  swapped, _ = dynamic.two_digit_loss(outputs, labels, digits[:, ::-1],
-                                            _config())
+  swapped, _ = families.of('capsnet').multi_label_loss(
+      outputs, labels, _config(), digits=digits[:, ::-1])
   assert np.all(np.abs(np.asarray(swapped) - np.asarray(loss)) > 1e-4)
 
 
 def test_two_label_margin_loss_without_decoder_and_label_order():
   lengths, labels, _, _ = _inputs(1)
-  loss, metrics = dynamic.two_digit_loss(
-      {'lengths': lengths}, labels, None, _config())
+  loss, metrics = families.of('capsnet').multi_label_loss(
+      {'class_scores': lengths}, labels, _config())
   np.testing.assert_allclose(loss, margin_reference(lengths, labels),
                              rtol=1e-5)
   assert 'reconstruction_loss' not in metrics
-  flipped, _ = dynamic.two_digit_loss(
-      {'lengths': lengths}, labels[:, ::-1], None, _config())
+  flipped, _ = families.of('capsnet').multi_label_loss(
+      {'class_scores': lengths}, labels[:, ::-1], _config())
   np.testing.assert_allclose(flipped, loss, rtol=1e-6)
 
 
 def test_baseline_sigmoid_loss_matches_numpy():
   logits, labels, _, _ = _inputs(2)
   logits = 4 * logits - 2
-  loss, _ = dynamic.two_digit_loss({'logits': logits}, labels, None,
-                                         _config())
+  loss, _ = families.of('baseline_cnn').multi_label_loss(
+      {'class_scores': logits}, labels, _config())
   np.testing.assert_allclose(loss, bce_reference(logits, labels), rtol=1e-5)
 
 
 def test_multi_hot():
-  got = dynamic.multi_hot(jnp.array([[3, 7], [0, 9]]), 10)
+  got = families.multi_hot(jnp.array([[3, 7], [0, 9]]), 10)
   want = np.zeros((2, 10), np.float32)
   want[0, [3, 7]] = want[1, [0, 9]] = 1
   np.testing.assert_array_equal(got, want)
@@ -128,10 +130,10 @@ def test_top_2_metric_on_hand_made_scores():
   ], np.float32)
   labels = np.array([[1, 3], [3, 1], [1, 2], [0, 1], [9, 8], [8, 7]],
                     np.int32)
-  got = jax.jit(dynamic.top_k_correct)(scores, labels)
+  got = jax.jit(families.top_k_correct)(scores, labels)
   np.testing.assert_array_equal(got, [True, True, False, False, True, False])
   # With one label per example it is plain argmax accuracy.
-  single = dynamic.top_k_correct(scores, labels[:, :1])
+  single = families.top_k_correct(scores, labels[:, :1])
   np.testing.assert_array_equal(single, np.argmax(scores, 1) == labels[:, 0])
 
 
@@ -187,10 +189,10 @@ def test_pack_pairs_keeps_the_pixels():
   images = rng.integers(0, 256, (40, 28, 28, 1)).astype(np.uint8)
   pairs = jax.device_get(data_lib.multimnist_batch(
       jax.random.key(0), images, np.arange(40) % 10, 3))
-  split = dynamic.pack_pairs(pairs)
+  split = data_lib.pack_pairs(pairs)
   assert split.images.dtype == np.uint8 and split.images.shape == (3, 36, 36, 3)
   assert split.labels.dtype == np.int32
-  inputs, digits = dynamic.unpack_pairs(split.images)
+  inputs, digits = data_lib.unpack_pairs(split.images)
   # Up to float32 rounding: within a tenth of a grey level.
   np.testing.assert_allclose(inputs, pairs['image'], atol=1e-6, rtol=0)
   np.testing.assert_allclose(digits[:, 0], pairs['first'], atol=1e-6, rtol=0)
@@ -208,7 +210,7 @@ def test_train_step_draws_its_pairs_from_the_key():
   labels = (np.arange(30) % 10).astype(np.int32)
   optimizer = state_lib.make_optimizer(config)
   steps = dynamic.make_multimnist_steps(config, optimizer)
-  assert steps.draws_batches
+  assert steps.train_batch is state_lib.whole_split
   graphdef, state = state_lib.init_train_state(
       state_lib.create_model(config), optimizer)
   model = nnx.merge(graphdef, state.params, state.model_state)
@@ -217,7 +219,7 @@ def test_train_step_draws_its_pairs_from_the_key():
   outputs = model(batch['image'])
   recon = model.reconstruct_digits(outputs['capsules'], batch['labels'])
   digits = np.stack([batch['first'], batch['second']], 1).reshape(4, 2, -1)
-  want = (margin_reference(outputs['lengths'], batch['labels']) +
+  want = (margin_reference(outputs['class_scores'], batch['labels']) +
           0.0005 * np.sum((np.asarray(recon) - digits) ** 2, axis=(1, 2)))
   step = jax.jit(functools.partial(steps.train_step, graphdef))
   new_state, metrics = step(state, images, labels, key)
@@ -226,12 +228,12 @@ def test_train_step_draws_its_pairs_from_the_key():
 
   # The eval step on the same pairs, packed, gives the same loss and the
   # top-2 count.
-  pairs = dynamic.pack_pairs(jax.device_get(batch))
+  pairs = data_lib.pack_pairs(jax.device_get(batch))
   sums = jax.jit(functools.partial(steps.eval_step, graphdef))(
       state.params, state.model_state, pairs.images, pairs.labels,
       np.ones(4, bool))
   np.testing.assert_allclose(sums['loss'], want.sum(), rtol=1e-4)
-  correct = dynamic.top_k_correct(outputs['lengths'], batch['labels'])
+  correct = families.top_k_correct(outputs['class_scores'], batch['labels'])
   assert int(sums['correct']) == int(np.sum(correct))
 
 
@@ -262,7 +264,7 @@ def test_bad_pair_counts_are_clear_errors():
   config = capsnet_multimnist.get_config('smoke')
   config.test_pairs = -1
   with pytest.raises(ValueError, match=r'config.test_pairs must be an int'):
-    dynamic.multimnist_dataset(config)
+    dynamic.load_data(config)
 
 
 def test_configs():
@@ -329,10 +331,11 @@ def check_smoke_workdir(workdir, variant):
   # The reported error recounted from the saved model on the config's test
   # pairs, the top 2 taken here with NumPy (the baseline's 40 steps learn
   # nothing measurable: its error is chance's).
-  test = dynamic.multimnist_dataset(config).test
+  test = dynamic.load_data(config).test
   model = training.load_trained_model(str(workdir), 'best')
-  scores = np.asarray(models.class_scores(model(
-      test.images[..., :1].astype(np.float32) / 255.0, train=False)))
+  scores = np.asarray(model(
+      test.images[..., :1].astype(np.float32) / 255.0,
+      train=False)['class_scores'])
   both = conftest.np_both_in_top2(scores, test.labels)
   assert record['test_error'] == pytest.approx(1.0 - np.mean(both), abs=1e-9)
   if 'baseline' not in variant:

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from capsjax import families
 from capsjax import layers
 from capsjax import losses
 from capsjax import models
 from capsjax.conv import lowerings
-from capsjax.training import dynamic
 
 # ----------------------------------------------------------------------------
 # The reference, float64, in the official code's layout.
@@ -192,8 +192,9 @@ def test_official_capsnet_matches_the_official_code(options, num_routing,
     @jax.jit
     def forward(x, y):
       outputs = model(x, y, train=True)
-      loss, _ = dynamic.dynamic_loss(outputs, x, y, config)
-      return outputs['lengths'], outputs['reconstructions'], jnp.mean(loss)
+      loss, _ = families.of(model).loss(outputs, y, config, images=x)
+      return (outputs['class_scores'], outputs['reconstructions'],
+              jnp.mean(loss))
 
     lengths, remakes, loss = forward(jnp.asarray(images, jnp.float64),
                                      jnp.asarray(labels))

@@ -103,7 +103,7 @@ def test_same_padding_capsnet_runs():
   out = nnx.jit(lambda m, x: m(x))(model, np.zeros((2, 12, 12, 3),
                                                     np.float32))
   assert out['coupling'].shape == (2, 6 * 6 * 2, 10)
-  assert out['lengths'].shape == (2, 10)
+  assert out['class_scores'].shape == (2, 10)
   # The official leaky primary capsules: coupling 1/(types + 1).
   assert model.primary.coupling == 1 / 3
   with pytest.raises(ValueError, match='padding'):
@@ -229,7 +229,7 @@ def test_ensemble_averages_the_members_scores(tmp_path, monkeypatch):
   result = ensemble.evaluate(contexts[first], members=members)
   # Each model's scores, counted directly.
   inputs = data_lib.cifar10_eval_preprocess(split.images)
-  lengths = nnx.jit(lambda model, x: model(x)['lengths'])
+  lengths = nnx.jit(lambda model, x: model(x)['class_scores'])
   scores = np.stack([np.asarray(lengths(c.model, inputs))
                      for c in contexts.values()])
   mean = scores.mean(axis=0)

@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
+from capsjax import families
 from capsjax import losses
 from capsjax.data import load_dataset
 from capsjax.data import smallnorb as norb
@@ -24,6 +25,13 @@ from capsjax.data import write_norb_matrix
 from capsjax.training import em
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
+
+
+def _em_loss(activations, labels, step, config):
+  """The 'em' family's per-example loss [B] of class activations [B, K]."""
+  return families.of('matrix_capsnet').loss(
+      {'class_scores': activations}, labels, config, step=step)[0]
+
 
 # ----------------------------------------------------------------------------
 # References of the released code and of the TF ops it uses.
@@ -140,10 +148,10 @@ def test_em_loss_reads_the_class_reduction():
   config = matrix_capsnet_smallnorb.get_config('')
   config.margin_schedule, config.margin_steps = 'linear', 10
   expected = released_spread_batch_loss(a, labels, 0.9)  # step 10: m = 0.9
-  got = em.em_loss(a, labels, np.int32(10), config)
+  got = _em_loss(a, labels, np.int32(10), config)
   np.testing.assert_allclose(got, 5 * expected, rtol=1e-6)
   config.spread_class_reduction = 'mean'
-  got = em.em_loss(a, labels, np.int32(10), config)
+  got = _em_loss(a, labels, np.int32(10), config)
   np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -406,7 +414,7 @@ class _LinearSigmoid(nnx.Module):
 
   def __call__(self, images, *args, **kwargs):
     features = images.reshape(images.shape[0], -1)
-    return {'activations': jax.nn.sigmoid(features @ self.w[...])}
+    return {'class_scores': jax.nn.sigmoid(features @ self.w[...])}
 
 
 def test_eval_step_combines_the_13_crops():

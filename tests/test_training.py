@@ -374,7 +374,6 @@ def test_really_full_disk_on_a_tiny_tmpfs(tmp_path):
     ('max_train_seconds', -1, '> 0 (or 0: no limit)'),
     ('center_crop', 24, '0 (no crop) or an int equal to the height'),
     ('num_devices', 10**6, 'an int from 0 (all devices) to'),
-    ('debug_poison_step', 1.5, 'an int (-1: off)'),
 ])
 def test_check_config_names_the_key_and_what_it_must_be(key, value,
                                                         requirement):

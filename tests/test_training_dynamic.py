@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -269,7 +270,7 @@ def test_sigkill_anywhere_incl_mid_checkpoint_resumes_bit_identically(
                                validation_size=TINY['validation_size']).test
   model = training.load_trained_model(str(workdir), 'best')
   lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
-                             train=False)['lengths'])
+                             train=False)['class_scores'])
   assert summaries[1]['test']['accuracy'] == pytest.approx(
       np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
 
@@ -307,7 +308,7 @@ def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
                                validation_size=TINY['validation_size']).test
   model = checkpoints.load_trained_model(workdir)  # 'selected': the latest
   lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
-                             train=False)['lengths'])
+                             train=False)['class_scores'])
   assert summary['test']['accuracy'] == pytest.approx(
       np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
   with pytest.raises(ValueError, match="which must be 'selected'"):
@@ -436,17 +437,35 @@ def test_unwritable_workdir_names_it_and_the_fix(tmp_path, tiny_mnist):
     dynamic.train_and_evaluate(tiny_config(tiny_mnist), str(workdir))
 
 
+def _poisoned_at(make_steps, poison_step):
+  """``make_steps`` whose train step reads NaN images at ``poison_step``."""
+
+  def make(config, optimizer):
+    steps = make_steps(config, optimizer)
+
+    def train_step(graphdef, state, images, labels, key):
+      # float32 0-255 pixels: the same inputs as the uint8 ones.
+      images = jnp.where(state.step == poison_step, jnp.nan,
+                         images.astype(jnp.float32))
+      return steps.train_step(graphdef, state, images, labels, key)
+
+    return steps._replace(train_step=train_step)
+
+  return make
+
+
 def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
-    tmp_path, tiny_mnist):
-  """NaN images at step 5 (``debug_poison_step``): the run stops naming step
-  5 before anything later is saved, even though logging is rarer than
-  checkpointing; a rerun without the poison resumes from step 5."""
+    tmp_path, tiny_mnist, monkeypatch):
+  """NaN images at step 5: the run stops naming step 5 before anything
+  later is saved, even though logging is rarer than checkpointing; a rerun
+  without the poison resumes from step 5."""
   workdir = str(tmp_path / 'work')
-  poisoned = tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
-                          checkpoint_every_steps=1, debug_poison_step=5)
-  with pytest.raises(loop.TrainingDiverged,
-                     match=r'non-finite at step 5\b') as info:
-    dynamic.train_and_evaluate(poisoned, workdir)
+  config = tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
+                       checkpoint_every_steps=1)
+  with monkeypatch.context() as patch, pytest.raises(
+      loop.TrainingDiverged, match=r'non-finite at step 5\b') as info:
+    patch.setattr(dynamic, 'make_steps', _poisoned_at(dynamic.make_steps, 5))
+    dynamic.train_and_evaluate(config, workdir)
   assert 'last good checkpoint (step 5)' in str(info.value)
   assert os.path.join(workdir, 'checkpoints') in str(info.value)
   checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from capsjax import families
 from capsjax.training import checkpoints
 from capsjax.training import em
 from capsjax.training import loop
@@ -26,6 +27,13 @@ from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
 from tests import conftest
 from tests.helpers import make_norb_release
+
+
+def _em_loss(activations, labels, step, config):
+  """The 'em' family's per-example loss [B] of class activations [B, K]."""
+  return families.of('matrix_capsnet').loss(
+      {'class_scores': activations}, labels, config, step=step)[0]
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,22 +171,22 @@ def test_em_loss_branches_equal_their_definitions():
   labels = rng.integers(0, 5, 6)
   config = _norb_config('', margin_schedule='linear', margin_steps=100)
   for step in (0, 40, 100, 500):
-    got = em.em_loss(activations, labels, np.int32(step), config)
+    got = _em_loss(activations, labels, np.int32(step), config)
     np.testing.assert_allclose(
         got, _np_spread(activations, labels, _np_linear_margin(step, 100)),
         rtol=1e-5, atol=1e-7)
   expected = _np_losses(activations, labels)
   for name in ('margin', 'cross_entropy'):
     config.loss = name
-    np.testing.assert_allclose(em.em_loss(activations, labels, 0, config),
+    np.testing.assert_allclose(_em_loss(activations, labels, 0, config),
                                expected[name], rtol=1e-5, atol=1e-7)
   # Saturated activations stay finite in the cross-entropy's logit.
   config.loss = 'cross_entropy'
   saturated = np.array([[0.0, 1.0, 0.5]], np.float32)
-  assert np.isfinite(em.em_loss(saturated, np.array([0]), 0, config)).all()
+  assert np.isfinite(_em_loss(saturated, np.array([0]), 0, config)).all()
   config.loss = 'hinge'
   with pytest.raises(ValueError, match="'spread', 'cross_entropy'"):
-    em.em_loss(activations, labels, 0, config)
+    _em_loss(activations, labels, 0, config)
 
 
 def test_l2_penalty_exempts_exactly_the_biases_and_betas():
@@ -217,7 +225,7 @@ def test_train_step_feeds_the_state_step_to_the_loss(norb_dir, loss):
   key = jax.random.PRNGKey(3)
   inputs = em.preprocess(config, jax.numpy.asarray(images), key)
   activations = np.asarray(nnx.jit(lambda m, x, y: m(x, y, train=True)[
-      'activations'])(model, inputs, labels))
+      'class_scores'])(model, inputs, labels))
   for step in (0, 60):
     _, metrics = train_step(state._replace(step=np.int32(step)), images,
                             labels, key)

@@ -78,7 +78,7 @@ def test_predict_scores_matches_the_model_for_any_batch(name):
   model = models.create_model(name, rngs=nnx.Rngs(0), trunk_widths=(4, 4, 8, 8))
   images = np.random.default_rng(1).integers(0, 256, (7, 28, 56, 1),
                                              dtype=np.uint8)
-  direct = model(images.astype(np.float32) / 255.0)['scores']
+  direct = model(images.astype(np.float32) / 255.0)['class_scores']
   for batch_size in (3, 7, 100):
     np.testing.assert_allclose(
         two_digit_pairs.predict_scores(model, images, batch_size), direct,
@@ -214,8 +214,8 @@ def check_smoke_workdir(workdir, mnist_dir):
                                          layout)
       assert pairs['image'].shape[1:3] == ((56, 28) if layout == 'stacked'
                                            else (28, 56))
-      scores = np.asarray(models.class_scores(model(
-          pairs['image'].astype(np.float32) / 255.0, train=False)))
+      scores = np.asarray(model(pairs['image'].astype(np.float32) / 255.0,
+                                train=False)['class_scores'])
       both = conftest.np_both_in_top2(scores, pairs['labels'])
       confident = both & (np.sort(scores, 1)[:, -2] > 0.5)
       assert record['pair_top2_accuracy'] == pytest.approx(

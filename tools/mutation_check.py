@@ -3,14 +3,20 @@
     python tools/mutation_check.py               # every mutation
     python tools/mutation_check.py --only=skip_e_step,swap_softmax_axis
     python tools/mutation_check.py --list
+    python tools/mutation_check.py --ci --no-control   # what CI runs
 
 Each mutation replaces one exact piece of source (it must occur exactly once)
 in a fresh copy of the working tree, then runs the tests that should catch
-it, with the copy first on the path. A mutation is "caught" when pytest
-exits non-zero; the table at the end names the failing tests. First the
-same tests run on an unmutated copy and must pass (else a failure would
-prove nothing). Exit status 1 if the control failed or any mutation
-survived. Nothing in the working tree is modified.
+it, with the copy first on the path. A mutation is "caught" when a test
+fails (pytest exit status 1 with a FAILED test; a collection error or a
+crash is an error, not a catch); the table at the end names the failing
+tests. First the same tests run on an unmutated copy and must pass (else a
+failure would prove nothing); ``--no-control`` skips that run where those
+tests have just passed on the same tree (CI runs the whole suite first).
+``--ci`` is the subset CI runs: one mutation for each of the losses, the
+data pipeline, each family's train step, resume and the routing. Exit status
+1 if the control failed or any mutation survived or errored. Nothing in the
+working tree is modified.
 """
 
 from __future__ import annotations
@@ -45,9 +51,8 @@ MUTATIONS = (
         ('tests/test_evaluators.py',)),
     Mutation(
         'select_last_not_best', 'capsjax/training/loop.py',
-        '    if self.best_record is not None and self.best.latest_step() is not None:\n'
-        '      self.state = self.best.restore(self.state)',
-        '    pass',
+        '    self.state = restored.state\n\n  def eval_context',
+        '    del restored  # the last weights tested\n\n  def eval_context',
         ('tests/test_evaluators.py',)),
     Mutation(
         'ignore_beta_a', 'capsjax/routing.py',
@@ -59,7 +64,7 @@ MUTATIONS = (
         '    log_assignments = em_e_step(votes32, poses, log_variances,\n'
         '                                activation_logits, assignment_normalizer)',
         '    log_assignments = state.log_assignments',
-        ('tests/test_routing.py',)),
+        ('tests/test_routing.py::test_em_routing_matches_reference',)),
     Mutation(
         'swap_softmax_axis', 'capsjax/routing.py',
         '    return jax.nn.softmax(logits, axis=-1)',
@@ -91,19 +96,19 @@ MUTATIONS = (
         ('tests/test_data_augment.py',)),
     # Each family's train step.
     Mutation(
-        'dynamic_step_drops_reconstruction', 'capsjax/training/dynamic.py',
+        'dynamic_step_drops_reconstruction', 'capsjax/families.py',
+        '                                                  images)\n'
         "      metrics['reconstruction_loss'] = jnp.mean(reconstruction)\n"
-        '      loss = loss + config.reconstruction_weight * reconstruction\n'
-        '  else:',
+        '      loss = loss + config.reconstruction_weight * reconstruction',
+        '                                                  images)\n'
         "      metrics['reconstruction_loss'] = jnp.mean(reconstruction)\n"
-        '      loss = loss + 0.0 * reconstruction\n'
-        '  else:',
+        '      loss = loss + 0.0 * reconstruction',
         ('tests/test_official_capsnet.py::'
          'test_official_capsnet_matches_the_official_code',)),
     Mutation(
         'em_step_margin_ignores_the_step', 'capsjax/training/em.py',
-        '      loss = jnp.mean(em_loss(activations, labels, state.step, config))',
-        '      loss = jnp.mean(em_loss(activations, labels, 0, config))',
+        '                                  step=state.step)[0])',
+        '                                  step=0)[0])',
         ('tests/test_training_em.py::'
          'test_train_step_feeds_the_state_step_to_the_loss',)),
     # Resume.
@@ -114,6 +119,19 @@ MUTATIONS = (
         '    self.resumed = None',
         ('tests/test_workdir_integrity.py::test_damaged_latest_checkpoint_is_'
          'said_and_the_run_resumes_from_the_good_one',)),
+)
+
+# What CI runs after the suite: a mutation for each of the losses, the data
+# pipeline, each family's train step, resume and the routing, each caught by
+# one or two tests that run in seconds.
+CI_SUBSET = (
+    'official_margin_not_halved',
+    'spread_loss_counts_the_target',
+    'shift_the_wrong_way',
+    'dynamic_step_drops_reconstruction',
+    'em_step_margin_ignores_the_step',
+    'resume_from_scratch',
+    'skip_e_step',
 )
 
 
@@ -146,8 +164,8 @@ def apply(mutation: Mutation, root: str) -> None:
     f.write(text.replace(mutation.old, mutation.new))
 
 
-def run_tests(mutation: Mutation, root: str) -> tuple[bool, list[str], float]:
-  """(caught, failing test ids, seconds)."""
+def run_tests(mutation: Mutation, root: str) -> tuple[str, list[str], float]:
+  """('passed', 'failed' or 'error: ...', failing test ids, seconds)."""
   env = dict(os.environ, PYTHONPATH=root, CAPSJAX_RETAIN_HOST_MEMORY='0')
   start = time.time()
   out = subprocess.run(
@@ -164,18 +182,33 @@ def run_tests(mutation: Mutation, root: str) -> tuple[bool, list[str], float]:
       root):
     raise SystemExit(f'capsjax was imported from {probe}, not the scratch '
                      f'copy {root}.')
-  return out.returncode != 0, failed, time.time() - start
+  seconds = time.time() - start
+  if out.returncode == 0:
+    return 'passed', failed, seconds
+  if out.returncode == 1 and failed:
+    return 'failed', failed, seconds
+  # Not a failing assertion: a collection error, a crash, no tests run.
+  last = (out.stdout.strip().splitlines() or ['(no output)'])[-1]
+  return f'error: pytest exit status {out.returncode}, {last}', failed, seconds
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='',
                       help='comma-separated mutation names (default: all)')
+  parser.add_argument('--ci', action='store_true',
+                      help=f'the subset CI runs: {",".join(CI_SUBSET)}')
+  parser.add_argument('--no-control', action='store_true',
+                      help='skip the unmutated run (where its tests have just '
+                      'passed on this tree)')
   parser.add_argument('--list', action='store_true',
                       help='print the mutations and exit')
   args = parser.parse_args()
+  if args.ci and args.only:
+    parser.error('--ci and --only choose the mutations: give one of them.')
   names = {m.name for m in MUTATIONS}
-  chosen = [n for n in args.only.split(',') if n] or [m.name for m in MUTATIONS]
+  chosen = ([n for n in args.only.split(',') if n] or
+            (list(CI_SUBSET) if args.ci else [m.name for m in MUTATIONS]))
   unknown = sorted(set(chosen) - names)
   if unknown:
     parser.error(f'unknown mutations {unknown}; known: {sorted(names)}')
@@ -186,31 +219,39 @@ def main() -> int:
   selected = [m for m in MUTATIONS if m.name in chosen]
   control = Mutation('control (no mutation)', '', '', '', tuple(sorted(
       {t for m in selected for t in m.tests})))
-  with tempfile.TemporaryDirectory(prefix='capsjax-control-') as scratch:
-    root = os.path.join(scratch, 'main')
-    copy_tree(root)
-    failed_control, failed, seconds = run_tests(control, root)
-  result = 'FAILED ' + ' '.join(failed) if failed_control else 'passed'
-  print(f'{control.name}: {result} ({seconds:.0f} s)', flush=True)
-  if failed_control:
-    return 1
+  start = time.time()
+  if not args.no_control:
+    with tempfile.TemporaryDirectory(prefix='capsjax-control-') as scratch:
+      root = os.path.join(scratch, 'main')
+      copy_tree(root)
+      outcome, failed, seconds = run_tests(control, root)
+    result = {'passed': 'passed', 'failed': 'FAILED ' + ' '.join(failed)
+              }.get(outcome, outcome.upper())
+    print(f'{control.name}: {result} ({seconds:.0f} s)', flush=True)
+    if outcome != 'passed':
+      return 1
   rows = []
   for mutation in selected:
     with tempfile.TemporaryDirectory(prefix='capsjax-mutant-') as scratch:
       root = os.path.join(scratch, 'main')
       copy_tree(root)
       apply(mutation, root)
-      caught, failed, seconds = run_tests(mutation, root)
-    rows.append((mutation, caught, failed, seconds))
-    print(f'{mutation.name}: {"caught" if caught else "SURVIVED"} '
-          f'({seconds:.0f} s) {" ".join(failed)}', flush=True)
+      outcome, failed, seconds = run_tests(mutation, root)
+    result = {'failed': 'caught', 'passed': 'SURVIVED'}.get(outcome,
+                                                           outcome.upper())
+    rows.append((mutation, result, failed, seconds))
+    print(f'{mutation.name}: {result} ({seconds:.0f} s) {" ".join(failed)}',
+          flush=True)
   print('\n| mutation | file | tests run | result | first failing test |')
   print('|---|---|---|---|---|')
-  for mutation, caught, failed, seconds in rows:
+  for mutation, result, failed, seconds in rows:
+    shown = result if result == 'caught' else f'**{result.lower()}**'
     print(f'| {mutation.name} | {mutation.path} | {", ".join(mutation.tests)} '
-          f'| {"caught" if caught else "**survived**"} ({seconds:.0f} s) '
-          f'| {failed[0] if failed else "-"} |')
-  return 0 if all(caught for _, caught, _, _ in rows) else 1
+          f'| {shown} ({seconds:.0f} s) | {failed[0] if failed else "-"} |')
+  caught = sum(result == 'caught' for _, result, _, _ in rows)
+  print(f'{caught} of {len(rows)} mutations caught in '
+        f'{time.time() - start:.0f} s.')
+  return 0 if caught == len(rows) else 1
 
 
 if __name__ == '__main__':

@@ -11,6 +11,8 @@ from capsjax.data.affnist import affine_mnist
 from capsjax.data.affnist import affnist_files
 from capsjax.data.affnist import load_affnist
 from capsjax.data.augment import center_crop
+from capsjax.data.augment import dataset_on_canvas
+from capsjax.data.augment import on_canvas
 from capsjax.data.augment import place_on_canvas
 from capsjax.data.augment import random_shift
 from capsjax.data.augment import shift
@@ -31,8 +33,12 @@ from capsjax.data.images import read_cached
 from capsjax.data.images import read_images
 from capsjax.data.images import stratified_split
 from capsjax.data.mnist import load_dataset
+from capsjax.data.multimnist import load_multimnist
 from capsjax.data.multimnist import multimnist_batch
+from capsjax.data.multimnist import multimnist_pairs
 from capsjax.data.multimnist import multimnist_test_set
+from capsjax.data.multimnist import pack_pairs
+from capsjax.data.multimnist import unpack_pairs
 from capsjax.data.smallnorb import combine_crop_activations
 from capsjax.data.smallnorb import read_norb_matrix
 from capsjax.data.smallnorb import smallnorb_distort
@@ -61,11 +67,16 @@ __all__ = (
     'cifar10_eval_preprocess',
     'cifar10_train_preprocess',
     'combine_crop_activations',
+    'dataset_on_canvas',
     'digit_pairs',
     'load_affnist',
     'load_dataset',
+    'load_multimnist',
     'multimnist_batch',
+    'multimnist_pairs',
     'multimnist_test_set',
+    'on_canvas',
+    'pack_pairs',
     'place_on_canvas',
     'random_shift',
     'read_cifar_binary',
@@ -83,6 +94,7 @@ __all__ = (
     'smallnorb_train_preprocess',
     'stratified_split',
     'to_float',
+    'unpack_pairs',
     'write_cifar_binary',
     'write_cifar_pickle',
     'write_norb_matrix',

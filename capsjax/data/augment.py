@@ -1,4 +1,5 @@
-"""On-device augmentation: pure, jit-able functions of a PRNG key and a batch.
+"""On-device augmentation: pure, jit-able functions of a PRNG key and a batch;
+and the fixed canvases of the evaluation sets (``on_canvas``).
 
 Shape legend: B batch, H and W image height and width, C channels.
 """
@@ -7,7 +8,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
+
+from capsjax.data.idx import Dataset
+from capsjax.data.idx import Split
 
 
 def to_float(images: ArrayLike) -> jax.Array:
@@ -140,3 +145,25 @@ def place_on_canvas(key: jax.Array, images: ArrayLike, canvas_size: int = 40
   limits = jnp.array([[canvas_size - h + 1, canvas_size - w + 1]])
   corners = jax.random.randint(key, (b, 2), 0, limits)
   return place(images, corners, canvas_size)
+
+
+def on_canvas(split: Split, canvas_size: int, seed: int) -> Split:
+  """Each digit of ``split`` at a random place on a black canvas
+  (``place_on_canvas``), fixed by ``seed``."""
+  if len(split.labels) == 0:
+    return Split(
+        np.zeros((0, canvas_size, canvas_size, split.images.shape[-1]),
+                 np.uint8), split.labels)
+  images = place_on_canvas(jax.random.key(seed), split.images, canvas_size)
+  return Split(np.asarray(images), split.labels)
+
+
+def dataset_on_canvas(dataset: Dataset, canvas_size: int, seed: int
+                      ) -> Dataset:
+  """The "expanded MNIST" of Sabour et al.: validation and test digits
+  placed once on a canvas (keys ``seed`` and ``seed + 1``); training digits
+  stay as they are, to be placed at random in each step."""
+  return dataset._replace(
+      validation=on_canvas(dataset.validation, canvas_size, seed),
+      test=on_canvas(dataset.test, canvas_size, seed + 1),
+      name=f'{dataset.name}_on_{canvas_size}x{canvas_size}')

@@ -6,7 +6,12 @@ Each digit is put in the centre of a 36x36 black canvas and shifted by up to
 so nothing is cut off); the image is the pixelwise sum clipped to [0, 1]. The
 paper reports about 80% overlap on average.
 
-Shape legend: N digits in the source split, B the batch.
+For training, ``multimnist_batch`` draws each batch on the device from the
+digits; validation and test are fixed sets (``load_multimnist``), packed
+into uint8 (``pack_pairs``, ``unpack_pairs``).
+
+Shape legend: N digits in the source split, B the batch, M pairs of a fixed
+set, S = 36 the canvas side.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from jax.typing import ArrayLike
 
 from capsjax.data.augment import place
 from capsjax.data.augment import to_float
+from capsjax.data.idx import Dataset
+from capsjax.data.idx import Split
+from capsjax.data.mnist import load_dataset
 
 CANVAS_SIZE = 36
 MAX_SHIFT = 4
@@ -139,3 +147,54 @@ def multimnist_test_set(images: ArrayLike, labels: ArrayLike,
     chunks = [jax.device_get(make(key, images, labels))]
   return {k: np.concatenate([c[k] for c in chunks])[:num_pairs]
           for k in chunks[0]}
+
+
+def pack_pairs(pairs: dict[str, np.ndarray]) -> Split:
+  """A ``multimnist_test_set`` as a Split: uint8 [M, S, S, 3] images with
+  channels (overlay, first digit, second digit), int32 [M, 2] labels.
+
+  Every pixel is a multiple of 1/255 (digits are uint8 / 255, the overlay
+  their sum clipped to 1), so this keeps them up to float32 rounding, in a
+  quarter of the float32 memory.
+  """
+  channels = np.concatenate([pairs['image'], pairs['first'], pairs['second']],
+                            axis=-1)
+  images = np.rint(channels * 255.0).astype(np.uint8)
+  return Split(images, pairs['labels'].astype(np.int32))
+
+
+def unpack_pairs(images: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint8 [B, S, S, 3] from ``pack_pairs`` -> float inputs [B, S, S, 1] and
+  digits [B, 2, S, S, 1]."""
+  images = to_float(images)
+  digits = jnp.moveaxis(images[..., 1:], -1, 1)[..., None]
+  return images[..., :1], digits
+
+
+def multimnist_pairs(split: Split, num_pairs: int, seed: int,
+                     max_shift: int = MAX_SHIFT) -> Split:
+  """A fixed packed MultiMNIST set from a digit split (empty if either is)."""
+  if num_pairs == 0 or len(split.labels) == 0:
+    return Split(np.zeros((0, CANVAS_SIZE, CANVAS_SIZE, 3), np.uint8),
+                 np.zeros((0, 2), np.int32))
+  return pack_pairs(multimnist_test_set(
+      split.images, split.labels, num_pairs, seed, max_shift=max_shift))
+
+
+def load_multimnist(*, data_dir: str | None, validation_size: int,
+                    validation_pairs: int, test_pairs: int, seed: int,
+                    max_shift: int = MAX_SHIFT) -> Dataset:
+  """MultiMNIST for training: the MNIST training digits (pairs are drawn
+  per batch, ``multimnist_batch``) and fixed packed pair sets.
+
+  Validation: ``validation_pairs`` pairs of validation-split digits (key
+  ``seed``); test: ``test_pairs`` pairs of test-split digits (key ``seed +
+  1``), the same for every training seed.
+  """
+  mnist = load_dataset('mnist', data_dir=data_dir,
+                       validation_size=validation_size)
+  return Dataset(
+      mnist.train,
+      multimnist_pairs(mnist.validation, validation_pairs, seed, max_shift),
+      multimnist_pairs(mnist.test, test_pairs, seed + 1, max_shift),
+      mnist.num_classes, 'multimnist')

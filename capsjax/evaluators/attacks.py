@@ -5,8 +5,8 @@
 
 The first ``num_examples`` (0: all) test images of the run's dataset, as the
 model reads them at evaluation (the run's centre crop, if any), attacked at
-every epsilon (pixels in [0, 1]) with the loss of
-``adversarial.attack_loss``: ``loss='family'`` the run's own class loss,
+every epsilon (pixels in [0, 1]) with the loss of the model's family
+(``families.Family.attack_loss``): ``loss='family'`` the run's own class loss,
 ``'cross_entropy'`` softmax cross-entropy for every model. BIM takes
 ``bim_steps`` steps of ``bim_step_size``. Returns the clean accuracy, the
 fraction of examples with a zero input gradient, and per attack a list of
@@ -23,6 +23,7 @@ import ml_collections
 
 from capsjax import adversarial
 from capsjax import evaluators
+from capsjax import families
 
 DIGIT_DATASETS = ('mnist', 'fashion_mnist')
 
@@ -55,18 +56,6 @@ def check(config: ml_collections.ConfigDict, *,
         f'[0, 1] pixels, which only {DIGIT_DATASETS} models see.')
 
 
-def attack_loss_name(config: ml_collections.ConfigDict, kind: str,
-                     margin: float) -> str:
-  """In words, the loss the attacker differentiates."""
-  if kind == 'cross_entropy':
-    return ('softmax cross-entropy on logits' if config.model == 'baseline_cnn'
-            else 'softmax cross-entropy on the log-odds of the class scores')
-  return {'capsnet': 'margin loss on capsule lengths (no reconstruction term)',
-          'baseline_cnn': 'softmax cross-entropy on logits',
-          'matrix_capsnet': f'spread loss at the final margin {margin:.2f}',
-          }.get(config.model, "Su's binary margin loss on the scores")
-
-
 def evaluate(context: evaluators.Context, *,
              epsilons: Sequence[float] = (0.1,),
              attacks: Sequence[str] = adversarial.ATTACKS,
@@ -79,17 +68,13 @@ def evaluate(context: evaluators.Context, *,
         num_examples=num_examples, batch_size=batch_size)
   test = context.dataset.test
   num = num_examples or len(test.labels)
-  margin = (adversarial.final_spread_margin(config)
-            if config.model == 'matrix_capsnet' else 0.9)
-  kind = loss
-  if (config.model == 'matrix_capsnet' and kind == 'family' and
-      config.get('loss', 'spread') == 'cross_entropy'):
-    kind = 'cross_entropy'  # that EM run trained on cross-entropy
+  family = families.of(config.model)
+  kind, margin = family.attack_options(config, loss)
   start = time.perf_counter()
   row = adversarial.evaluate_attacks(
       context.model, context.eval_inputs(test.images[:num]),
       test.labels[:num], epsilons, attacks=attacks, kind=kind,
       spread_margin=margin, step_size=bim_step_size, num_steps=bim_steps,
       batch_size=batch_size)
-  return {'attack_loss': attack_loss_name(config, kind, margin),
+  return {'attack_loss': family.attack_loss_name(kind, margin),
           'attack_wall_s': time.perf_counter() - start, **row}

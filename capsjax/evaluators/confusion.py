@@ -25,7 +25,6 @@ from jax.typing import ArrayLike
 
 from capsjax import evaluators
 from capsjax import figures
-from capsjax import models
 
 SPLITS = ('test', 'validation')
 
@@ -57,7 +56,7 @@ def per_class_accuracy(confusion: ArrayLike) -> np.ndarray:
 
 @nnx.jit
 def _scores(model: nnx.Module, inputs: jax.Array) -> jax.Array:
-  return models.class_scores(model(inputs, train=False))
+  return model(inputs, train=False)['class_scores']
 
 
 def predict_scores(context: evaluators.Context, images: np.ndarray,

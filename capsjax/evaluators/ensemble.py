@@ -30,7 +30,6 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from capsjax import evaluators
-from capsjax import models
 
 SPLITS = ('test', 'validation')
 
@@ -53,7 +52,7 @@ def accuracy(scores: ArrayLike, labels: ArrayLike) -> float:
 
 @nnx.jit
 def _scores(model: nnx.Module, inputs: jax.Array) -> jax.Array:
-  return models.class_scores(model(inputs, train=False))
+  return model(inputs, train=False)['class_scores']
 
 
 def class_scores(context: evaluators.Context, images: np.ndarray

@@ -35,8 +35,8 @@ def _two_longest_reconstructions(model: nnx.Module, images: jax.Array
   """[N, K] lengths and [N, 2, S*S] digits decoded from the two longest
   capsules (longest first), as at test time in the paper's Fig. 5."""
   out = model(images, train=False)
-  _, top2 = jax.lax.top_k(out['lengths'], 2)
-  return out['lengths'], model.reconstruct_digits(out['capsules'], top2)
+  _, top2 = jax.lax.top_k(out['class_scores'], 2)
+  return out['class_scores'], model.reconstruct_digits(out['capsules'], top2)
 
 
 def check(config: ml_collections.ConfigDict, *, num_examples: int = 8) -> None:

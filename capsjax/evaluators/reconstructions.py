@@ -57,7 +57,7 @@ def evaluate(context: evaluators.Context, *, num_images: int = 8,
     figures.reconstruction_grid(
         images, outputs['reconstructions'], paths['reconstructions'],
         labels=test.labels[:num_images],
-        predictions=np.argmax(outputs['lengths'], axis=-1),
+        predictions=np.argmax(outputs['class_scores'], axis=-1),
         class_names=class_names)
     image = context.eval_inputs(
         test.images[perturbation_index:perturbation_index + 1])[0]

@@ -32,7 +32,6 @@ from jax.typing import ArrayLike
 
 from capsjax import data as data_lib
 from capsjax import evaluators
-from capsjax import models
 
 
 def pair_accuracies(scores: ArrayLike, labels: ArrayLike,
@@ -63,7 +62,7 @@ def pair_accuracies(scores: ArrayLike, labels: ArrayLike,
 @nnx.jit
 def _scores(model: nnx.Module, images: jax.Array) -> jax.Array:
   images = data_lib.to_float(images) if images.dtype == jnp.uint8 else images
-  return models.class_scores(model(images, train=False))
+  return model(images, train=False)['class_scores']
 
 
 def predict_scores(model: nnx.Module, images: ArrayLike,

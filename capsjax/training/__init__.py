@@ -1,4 +1,5 @@
-"""Training: one loop (``fit``) shared by the two model families.
+"""Training: one loop (``fit``) shared by the two trainers of the model
+families (``capsjax.families``).
 
 Modules, one concern each:
   state        the train state, optimiser and schedule, one gradient step,
@@ -9,7 +10,8 @@ Modules, one concern each:
   metrics      TensorBoard and JSON-lines metrics, the progress bar, records.
   evaluation   accuracy and loss over a split, the last batch padded.
   loop         ``fit``: train, resume, select on validation, test, evaluate.
-  dynamic, em  the two families: losses and jittable steps.
+  dynamic, em  the two trainers: jittable steps around the family's loss,
+               preprocessing and the dataset of a run.
   runs         ``train(config, workdir)`` by the model's family;
                ``load_context(workdir)`` for the evaluators.
   own_images   a run on your own images (shapes from the data, the

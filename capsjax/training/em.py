@@ -1,10 +1,12 @@
-"""Training of matrix-capsule models with EM routing (Hinton et al. 2018).
+"""The trainer of the 'em' family: matrix capsules with EM routing (Hinton et
+al. 2018).
 
-Loss: the spread loss with its growing margin (or cross-entropy / margin loss
-for ablations) plus an optional L2 penalty. Non-finite losses or gradients
-stop the run with a clear message and keep the last good checkpoint
-(``state.apply_gradients`` never applies such an update). The loop itself
-is ``loop.fit``.
+Loss: the family's class loss (``families.EMFamily``: the spread loss with
+its growing margin, or cross-entropy / margin loss for ablations) plus an
+optional L2 penalty of the weights (``l2_penalty``). Non-finite losses or
+gradients stop the run with a clear message and keep the last good
+checkpoint (``state.apply_gradients`` never applies such an update). The
+loop itself is ``loop.fit``.
 
 The released code's protocol (google-research capsule_em) is a set of
 options, each defaulting to capsjax's (the paper's) form:
@@ -25,32 +27,9 @@ import optax
 from flax import nnx
 
 from capsjax import data as data_lib
-from capsjax import losses
+from capsjax import families
 from capsjax.training import loop
 from capsjax.training import state as state_lib
-
-# Keeps logit(a) finite for activations that saturate at 0 or 1.
-_ACTIVATION_CLIP = 1e-6
-
-
-def em_loss(activations: jax.Array, labels: jax.Array, step: jax.Array,
-            config: ml_collections.ConfigDict) -> jax.Array:
-  """Per-example loss [B] of class activations [B, K] and labels [B]."""
-  if config.loss == 'spread':
-    margin = losses.spread_loss_margin(
-        step, schedule=config.margin_schedule,
-        total_steps=config.margin_steps)
-    return losses.spread_loss(
-        activations, labels, margin,
-        class_reduction=config.get('spread_class_reduction', 'sum'))
-  if config.loss == 'cross_entropy':
-    a = jnp.clip(activations, _ACTIVATION_CLIP, 1.0 - _ACTIVATION_CLIP)
-    return losses.cross_entropy_loss(jnp.log(a) - jnp.log1p(-a), labels)
-  if config.loss == 'margin':
-    return losses.margin_loss(
-        activations, jax.nn.one_hot(labels, activations.shape[-1]))
-  raise ValueError(f"config.loss must be 'spread', 'cross_entropy' or "
-                   f"'margin', got {config.loss!r}.")
 
 
 def l2_penalty(params, *, form: str = 'sum') -> jax.Array:
@@ -146,15 +125,17 @@ def make_steps(config: ml_collections.ConfigDict,
                optimizer: optax.GradientTransformation
                ) -> state_lib.FamilySteps:
   """The jittable train and eval steps of an EM-routing model."""
+  family = families.of(config.model)
   dtype = state_lib.compute_dtype(config)
 
   def train_step(graphdef, state: state_lib.TrainState, images, labels, key):
     images = preprocess(config, images, key)
 
     def loss_fn(model):
-      activations = state_lib.forward(model, images, dtype, labels,
-                                    train=True)['activations']
-      loss = jnp.mean(em_loss(activations, labels, state.step, config))
+      outputs = state_lib.forward(model, images, dtype, labels, train=True)
+      activations = outputs['class_scores']
+      loss = jnp.mean(family.loss(outputs, labels, config,
+                                  step=state.step)[0])
       total = loss + config.weight_decay * l2_penalty(
           nnx.state(model, nnx.Param), form=config.get('l2_form', 'sum'))
       correct = jnp.argmax(activations, -1) == labels
@@ -167,7 +148,7 @@ def make_steps(config: ml_collections.ConfigDict,
   def activations_of(graphdef, params, model_state, inputs):
     model = nnx.merge(graphdef, state_lib.cast_floating(params, dtype),
                       model_state)
-    return state_lib.forward(model, inputs, dtype)['activations']
+    return state_lib.forward(model, inputs, dtype)['class_scores']
 
   def eval_step(graphdef, params, model_state, images, labels, mask):
     if crops == 'released13':
@@ -185,7 +166,8 @@ def make_steps(config: ml_collections.ConfigDict,
                                    preprocess(config, images, None))
       scores = activations
     # The loss at the final margin, comparable across steps.
-    loss = em_loss(activations, labels, jnp.asarray(10**9), config)
+    loss, _ = family.loss({'class_scores': activations}, labels, config,
+                          step=jnp.asarray(10**9))
     correct = jnp.argmax(scores, -1) == labels
     return {'correct': jnp.sum(correct * mask), 'loss': jnp.sum(loss * mask),
             'count': jnp.sum(mask)}
@@ -206,8 +188,16 @@ def load_data(config: ml_collections.ConfigDict) -> data_lib.Dataset:
       validation_size=config.validation_size, **options)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
-                       ) -> dict[str, Any]:
-  """Train an EM-routing model on ``config.dataset``; see ``loop.fit``."""
-  steps = make_steps(config, make_optimizer(config))
-  return loop.fit(config, workdir, steps, load_data(config))
+def steps_for(config: ml_collections.ConfigDict,
+              optimizer: optax.GradientTransformation
+              ) -> state_lib.FamilySteps:
+  """The steps of a run (``make_steps``: the EM family has one kind)."""
+  return make_steps(config, optimizer)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       **fit_options) -> dict[str, Any]:
+  """Train an EM-routing model on ``config.dataset``; ``loop.fit`` with
+  ``fit_options``."""
+  steps = steps_for(config, make_optimizer(config))
+  return loop.fit(config, workdir, steps, load_data(config), **fit_options)

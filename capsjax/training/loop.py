@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -139,8 +140,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key in ('max_train_seconds', 'checkpoint_every_seconds'):
     if config.get(key) and not config[key] > 0:
       fail(key, '> 0 (or 0: no limit)')
-  if config.get('target_accuracy') and not 0 < config.target_accuracy <= 1:
-    fail('target_accuracy', 'in (0, 1] (or 0: train all steps)')
   if config.get('center_crop'):
     crop = config.center_crop
     shape = tuple(config.model_options.get('input_shape') or ())
@@ -157,8 +156,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not is_int(num_devices) or not 0 <= num_devices <= jax.local_device_count():
     fail('num_devices', f'an int from 0 (all devices) to '
          f'{jax.local_device_count()} (the local device count)')
-  if 'debug_poison_step' in config and not is_int(config.debug_poison_step):
-    fail('debug_poison_step', 'an int (-1: off)')
 
 
 class _TrainClock:
@@ -198,7 +195,9 @@ class _TrainClock:
 # Keys whose change leaves a workdir's checkpoint usable and its run the same
 # (how long, how often, what is evaluated after); a change of the model, its
 # options or the dataset makes the checkpoint unusable; any other change
-# (batch size, learning rate, ...) is allowed with a warning.
+# (batch size, learning rate, ...) is allowed with a warning. Workdirs of
+# older capsjax store 'target_accuracy' and 'debug_poison_step', options
+# that left the config: their absence now changes nothing.
 _SAFE_CHANGES = ('num_train_steps', 'log_every_steps', 'eval_every_steps',
                  'checkpoint_every_steps', 'checkpoint_every_seconds',
                  'max_train_seconds', 'target_accuracy', 'eval_batch_size',
@@ -289,13 +288,18 @@ class _Estimate:
             + (f' Shorter: {alternative}' if alternative else ''))
 
 
+StopWhen = Callable[[dict[str, Any]], str | None]
+
+
 class _Run:
   """One training run's state and the work ``fit`` does at each step."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               steps: FamilySteps, dataset: data_lib.Dataset):
+               steps: FamilySteps, dataset: data_lib.Dataset,
+               stop_when: StopWhen | None = None):
     self.config, self.workdir, self.dataset = config, workdir, dataset
-    self.draws_batches = steps.draws_batches
+    self.stop_when = stop_when
+    self.train_batch = steps.train_batch
     self.eval_inputs = steps.eval_inputs
     # In a multi-process run every process runs this; process 0 alone writes
     # the run's files (orbax coordinates the checkpoints itself).
@@ -387,21 +391,21 @@ class _Run:
             f'{jax.devices()[0].platform} device(s); convolutions: '
             f'{conv.backend()}.')
 
-  def reached_target(self, record: dict | None) -> bool:
-    target = self.config.get('target_accuracy') or 0.0
-    return bool(target and record and record['accuracy'] >= target)
+  def stop_reason(self) -> str | None:
+    """Why ``stop_when`` stops training at the best validation record (None:
+    train on)."""
+    if self.stop_when is None or self.best_record is None:
+      return None
+    return self.stop_when(self.best_record)
 
   def train_step(self) -> dict[str, jax.Array]:
-    if self.draws_batches:
-      images, labels = self.train_images, self.train_labels
-    else:
-      idx = self.order.indices(self.step)
+    idx = self.order.indices(self.step)
+    if self.train_batch is None:
       images = take_batch(self.train_images, idx, self.mesh)
       labels = take_batch(self.train_labels, idx, self.mesh)
-    if self.step == self.config.get('debug_poison_step', -1):
-      # A test hook: a batch of NaN images.
-      images = on_mesh(np.full(images.shape, np.nan, np.float32),
-                       images.sharding)
+    else:
+      images, labels = self.train_batch(self.train_images, self.train_labels,
+                                        idx, self.mesh)
     key = on_mesh(jax.random.fold_in(self.data_key, self.step),
                   replicated(self.mesh))
     self.state, metrics = self._train_step(self.state, images, labels, key)
@@ -507,12 +511,14 @@ class _Run:
 
 
 def fit(config: ml_collections.ConfigDict, workdir: str,
-        steps: FamilySteps, dataset: data_lib.Dataset) -> dict[str, Any]:
+        steps: FamilySteps, dataset: data_lib.Dataset, *,
+        stop_when: StopWhen | None = None) -> dict[str, Any]:
   """Train, checkpoint, resume, select on validation, test once, summarise.
 
-  With ``config.target_accuracy`` > 0 training stops at the first
-  evaluation whose validation accuracy reaches it (a rerun of a run that
-  reached it does not train further). ``config.evals`` (see
+  ``stop_when(best validation record) -> reason or None``, asked after each
+  validation, stops training at the first record it gives a reason for (a
+  rerun of a run it stopped does not train further); the summary then says
+  ``stopped_early``. ``config.evals`` (see
   ``capsjax.evaluators``) run on the selected model after the test set,
   into ``summary['evals']``.
 
@@ -525,16 +531,16 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   # One writer per workdir (each process of a multi-process job its own
   # lock file); held until the summary is written.
   with hold_workdir(workdir, 'training', process_index=jax.process_index()):
-    return _fit(config, workdir, steps, dataset)
+    return _fit(config, workdir, steps, dataset, stop_when)
 
 
 def _fit(config: ml_collections.ConfigDict, workdir: str,
-         steps: FamilySteps, dataset: data_lib.Dataset) -> dict[str, Any]:
+         steps: FamilySteps, dataset: data_lib.Dataset,
+         stop_when: StopWhen | None) -> dict[str, Any]:
   """``fit`` in a workdir this process holds."""
-  run = _Run(config, workdir, steps, dataset)
+  run = _Run(config, workdir, steps, dataset, stop_when)
   run.say(run.header())
-  if run.step >= config.num_train_steps or run.reached_target(
-      run.best_record):
+  if run.step >= config.num_train_steps or run.stop_reason():
     run.say(f'{workdir} has finished training (step {run.step}): nothing is '
             f'trained; the selected model is tested again.')
   # The code that trains: taken now, as the tree may change during a run.
@@ -554,8 +560,7 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
       _StopSignals() as stop:
     run.progress = progress
     previous = None
-    while (run.step < config.num_train_steps and
-           not run.reached_target(run.best_record)):
+    while run.step < config.num_train_steps and not run.stop_reason():
       clock.start()
       t0 = time.perf_counter()
       metrics = run.train_step()
@@ -590,11 +595,10 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
       if last or due(config.log_every_steps):
         run.log(metrics, clock, writer, progress)
       if last or due(config.eval_every_steps):
-        if run.reached_target(run.validate(writer)):
+        run.validate(writer)
+        if reason := run.stop_reason():
           last = True
-          run.say(f'Validation accuracy {run.best_record["accuracy"]:.4f} '
-                  f'reached the target {config.target_accuracy} at step '
-                  f'{run.step}; stopping.')
+          run.say(f'{reason} at step {run.step}; stopping.')
       if last or stopping or save_now or due(config.checkpoint_every_steps):
         run.checkpoints.save(run.state)
         last_save = time.monotonic()
@@ -649,7 +653,7 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
              compile_s: float | None, environment: dict[str, Any]
              ) -> dict[str, Any]:
   config = run.config
-  target = config.get('target_accuracy') or 0.0
+  stopped_early = run.stop_reason() is not None
   return {
       'model': config.model,
       'dataset': run.dataset.name,
@@ -660,15 +664,13 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
       'validation': run.best_record,
       'test': test,
       **({'evals': evals} if evals else {}),
-      **({'target_accuracy': target,
-          'reached_target': run.reached_target(run.best_record)}
-         if target else {}),
+      **({'stopped_early': stopped_early} if run.stop_when else {}),
       'train_images_per_s': (clock.steps * config.batch_size / clock.seconds
                              if clock.seconds > 0 else None),
       'compile_s': compile_s,
       'train_wall_s_this_run': clock.seconds,
-      'stopped_by_time_limit': run.step < config.num_train_steps and not (
-          run.reached_target(run.best_record)),
+      'stopped_by_time_limit': (run.step < config.num_train_steps and
+                                not stopped_early),
       'max_train_seconds': config.get('max_train_seconds') or 0,
       'conv_backend': conv.backend(),
       'batch_size': config.batch_size,

@@ -32,6 +32,7 @@ from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import evaluators
+from capsjax import families
 from capsjax import models
 from capsjax.data import images as images_lib
 from capsjax.evaluators import confusion
@@ -419,9 +420,8 @@ class Prediction(NamedTuple):
 
 
 def score_name(config: ml_collections.ConfigDict) -> str:
-  """What ``Prediction.score`` is for ``config.model``."""
-  return {'matrix_capsnet': 'activation', 'baseline_cnn': 'logit',
-          'two_digit_baseline': 'score'}.get(config.model, 'capsule length')
+  """What ``Prediction.score`` is for ``config.model`` (its family's)."""
+  return families.of(config.model).score_name
 
 
 def predict(context: evaluators.Context, paths: Sequence[str | os.PathLike],

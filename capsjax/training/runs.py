@@ -1,4 +1,4 @@
-"""Runs by config and by workdir: the family trainer of a model, and a
+"""Runs by config and by workdir: the trainer of a model's family, and a
 trained workdir opened for the evaluators. A run on your own images
 (``config.dataset == own_images.DATASET``) goes through ``own_images``,
 which takes the model's shapes from the data."""
@@ -13,32 +13,30 @@ import ml_collections
 from flax import nnx
 
 from capsjax import evaluators
-from capsjax import models
+from capsjax import families
 from capsjax.training import checkpoints
-from capsjax.training import dynamic
-from capsjax.training import em
 from capsjax.training import own_images
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import make_mesh
 from capsjax.training.state import make_optimizer
 
-_FAMILIES = {'dynamic': dynamic, 'em': em}
-
 
 def family(config: ml_collections.ConfigDict) -> types.ModuleType:
-  """The trainer module (``dynamic`` or ``em``) of ``config.model``."""
-  name = models.MODEL_FAMILY.get(config.model)
-  if name is None:
-    raise ValueError(f'unknown model {config.model!r}; valid names: '
-                     f'{", ".join(models.list_models())}.')
-  return _FAMILIES[name]
+  """The trainer module (``dynamic`` or ``em``) of ``config.model``'s family
+  (``families.of``; ValueError naming the valid models if unknown)."""
+  return families.of(config.model).trainer
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train ``config`` in ``workdir`` with its family's trainer; the summary."""
+def train(config: ml_collections.ConfigDict, workdir: str, **fit_options
+          ) -> dict[str, Any]:
+  """Train ``config`` in ``workdir`` with its family's trainer; the summary.
+  ``fit_options`` go to ``loop.fit`` (not with your own images)."""
   if config.dataset == own_images.DATASET:
+    if fit_options:
+      raise ValueError(f'a run on your own images takes no fit options, got '
+                       f'{sorted(fit_options)}.')
     return own_images.train_and_evaluate(config, workdir, family(config))
-  return family(config).train_and_evaluate(config, workdir)
+  return family(config).train_and_evaluate(config, workdir, **fit_options)
 
 
 def load_context(workdir: str, which: str = 'selected',
@@ -52,9 +50,7 @@ def load_context(workdir: str, which: str = 'selected',
   trainer = family(config)
   optimizer = make_optimizer(config)
   graphdef, state = checkpoints.load_trained_state(workdir, which)
-  make = (trainer.make_multimnist_steps if config.dataset == 'multimnist'
-          else trainer.make_steps)
-  steps = make(config, optimizer)
+  steps = trainer.steps_for(config, optimizer)
   evaluate_split = functools.partial(
       evaluate, functools.partial(steps.eval_step, graphdef), state,
       batch_size=config.eval_batch_size, mesh=make_mesh(1))

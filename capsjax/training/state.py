@@ -190,11 +190,22 @@ class FamilySteps(NamedTuple):
     -> {'correct', 'loss', 'count'} sums.
   eval_inputs(images_uint8) -> what the model reads at evaluation (for the
     evaluators: attacks and figures perturb or draw these).
-  draws_batches: when True, train_step receives the WHOLE training split
-    (images, labels) and draws its batch from the key itself (MultiMNIST
-    pairs generated on device); the batch still depends only on (seed, step).
+  train_batch(train_images, train_labels, indices [batch_size], mesh)
+    -> the (images, labels) train_step receives; None: the examples at
+    ``indices`` of the training split, sharded over ``mesh`` (the batch
+    order of ``fit``). ``whole_split``: the whole training split, for steps
+    that draw their batch from the key (MultiMNIST pairs generated on
+    device); the batch still depends only on (seed, step).
   """
   train_step: Callable
   eval_step: Callable
   eval_inputs: Callable
-  draws_batches: bool = False
+  train_batch: Callable | None = None
+
+
+def whole_split(images: jax.Array, labels: jax.Array, indices: np.ndarray,
+                mesh) -> tuple[jax.Array, jax.Array]:
+  """``FamilySteps.train_batch`` of steps that draw their own batch: the
+  whole training split, as placed on the device."""
+  del indices, mesh
+  return images, labels

@@ -49,8 +49,6 @@ def training_config(model: str) -> ml_collections.ConfigDict:
   # Key of the fixed placements of the validation (this seed) and test (this
   # seed + 1) digits.
   config.eval_set_seed = 0
-  # Stop at the first validation accuracy >= this (0: train all steps).
-  config.target_accuracy = 0.0
   config.num_train_steps = 50_000
   config.model_options.input_shape = (40, 40, 1)
   if model == 'capsnet':
@@ -79,7 +77,7 @@ def get_config(variant: str = ''):
   config.affine_test_size = 10_000
   # Key of those transformations.
   config.affine_seed = 0
-  # The CNN's target_accuracy := the CapsNet's best validation accuracy.
+  # The CNN stops at the first validation accuracy >= the CapsNet's best.
   config.match_capsnet = True
   # Transformed test digits drawn in WORKDIR/affnist_examples.png.
   config.num_figure_examples = 12

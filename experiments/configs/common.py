@@ -69,9 +69,6 @@ def base_config() -> ml_collections.ConfigDict:
   # Evaluations of the selected model after the test set (name -> dict(type=
   # an evaluator of capsjax.evaluators, its options)), into summary['evals'].
   config.evals = ml_collections.ConfigDict()
-  # A test hook: the training batch of this step is replaced by NaN images
-  # (-1: off), to check that a poisoned batch stops the run cleanly.
-  config.debug_poison_step = -1
   return config
 
 
