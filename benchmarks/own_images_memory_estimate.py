@@ -16,10 +16,10 @@ import jax
 import numpy as np
 
 from capsjax import data as data_lib
-from capsjax.training import dynamic
-from capsjax.training import em
+from capsjax.training import matrix_capsules
 from capsjax.training import own_images
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments.configs import own_images as own_images_config
 
 
@@ -31,7 +31,7 @@ def row(variant: str, side: int) -> dict:
   config.image_size = side
   config = own_images.with_data_shapes(config, dataset, tuple('abcdefghij'),
                                        say=lambda _: None)
-  trainer = em if 'em' in variant else dynamic
+  trainer = matrix_capsules if 'em' in variant else vector_capsules
   optimizer = getattr(trainer, 'make_optimizer',
                       state_lib.make_optimizer)(config)
   steps = trainer.make_steps(config, optimizer)

@@ -24,9 +24,9 @@ from PIL import Image
 
 from capsjax import data as data_lib
 from capsjax import figures
-from capsjax.training import dynamic
 from capsjax.training import own_images
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from capsjax.training.sharding import BatchOrder
 from capsjax.training.sharding import make_mesh
 from capsjax.training.sharding import on_mesh
@@ -99,7 +99,7 @@ def measure(source: str, image_size: int, cache: str, steps: int) -> dict:
   pipeline_s = (time.perf_counter() - start) / 200
 
   optimizer = state_lib.make_optimizer(config)
-  steps_lib = dynamic.make_steps(config, optimizer)
+  steps_lib = vector_capsules.make_steps(config, optimizer)
   graphdef, state = state_lib.init_train_state(
       state_lib.create_model(config), optimizer)
   train_step = jax.jit(functools.partial(steps_lib.train_step, graphdef),

@@ -12,7 +12,7 @@ Every model returns its class scores under one key, ``outputs['class_scores']``
   (``class_loss``);
 - the loss an attacker increases (``attack_loss``);
 - the trainer that makes its train and eval steps (``trainer``:
-  ``training.dynamic`` or ``training.em``).
+  ``training.vector_capsules`` or ``training.matrix_capsules``).
 
     family = families.of('capsnet')          # or of(model), of(model class)
     loss, metrics = family.loss(outputs, labels, config, images=images)
@@ -77,15 +77,16 @@ class Family:
   scores: ClassVar[str]
   score_name: ClassVar[str]
   class_loss_name: ClassVar[str]
-  trainer_name: ClassVar[str] = 'dynamic'
+  trainer_name: ClassVar[str] = 'vector_capsules'
 
   def __repr__(self) -> str:
     return f'families.of({self.name!r})'
 
   @property
   def trainer(self) -> types.ModuleType:
-    """``training.dynamic`` or ``training.em``: ``steps_for`` (a run's train
-    and eval steps), ``load_data``, ``train_and_evaluate``. Imported when
+    """``training.vector_capsules`` or ``training.matrix_capsules``:
+    ``steps_for`` (a run's train and eval steps), ``load_data``,
+    ``train_and_evaluate``. Imported when
     asked: the trainers import the families."""
     return importlib.import_module(f'capsjax.training.{self.trainer_name}')
 
@@ -261,7 +262,7 @@ class EMFamily(Family):
   scores = 'probabilities'
   score_name = 'activation'
   class_loss_name = 'spread loss'
-  trainer_name = 'em'
+  trainer_name = 'matrix_capsules'
 
   CLASS_LOSSES: ClassVar[tuple[str, ...]] = ('spread', 'cross_entropy',
                                              'margin')
@@ -286,7 +287,7 @@ class EMFamily(Family):
     """``config.loss`` at the margin of ``step`` on ``config``'s schedule
     (``config.margin_schedule``, ``margin_steps``,
     ``spread_class_reduction``). The L2 penalty is on the parameters, not
-    the outputs: the trainer adds it (``training.em.l2_penalty``)."""
+    the outputs: the trainer adds it (``training.matrix_capsules.l2_penalty``)."""
     del images
     margin = 0.0
     if config.loss == 'spread':

@@ -6,7 +6,7 @@
 
 Loads each --models workdir's model (the checkpoint selected on validation),
 attacks the first config.num_examples test images at every epsilon (the
-``attacks`` evaluator), and writes WORKDIR/summary.json (clean accuracy and
+``adversarial`` evaluator), and writes WORKDIR/summary.json (clean accuracy and
 accuracy per attack and epsilon, for every model) and
 WORKDIR/accuracy_vs_epsilon.png. The :smoke config trains tiny models itself
 and needs no --models. Keys (epsilons, attacks, bim_step_size, bim_steps,
@@ -28,14 +28,14 @@ from absl import flags
 
 from capsjax import figures
 from capsjax import training
-from capsjax.evaluators import attacks
+from capsjax.evaluators import adversarial as adversarial_evaluator
 from experiments import launcher
 
 _MODELS = flags.DEFINE_list(
     'models', [], 'Comma-separated workdirs of trained models to attack '
     '(capsnet, baseline_cnn, matrix_capsnet, ... on MNIST or Fashion-MNIST).')
 
-# The config keys that are the attacks evaluator's options.
+# The config keys that are the adversarial evaluator's options.
 ATTACK_OPTIONS = ('epsilons', 'attacks', 'loss', 'bim_step_size', 'bim_steps',
                   'num_examples', 'batch_size')
 
@@ -49,7 +49,7 @@ def attack_workdir(config: ml_collections.ConfigDict, model_workdir: str
   """Attack the model trained in ``model_workdir``; one row of the summary."""
   context = training.load_context(model_workdir,
                                   data_dir=config.data_dir or None)
-  row = attacks.evaluate(context, **attack_options(config))  # checks too
+  row = adversarial_evaluator.evaluate(context, **attack_options(config))  # checks too
   summary_path = os.path.join(model_workdir, 'summary.json')
   trained = json.load(open(summary_path)) if os.path.exists(
       summary_path) else {}
@@ -76,9 +76,10 @@ def run(config: ml_collections.ConfigDict, workdir: str,
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   for path in model_workdirs:  # fail before training anything
-    attacks.check(training.read_workdir_config(path), **attack_options(config))
+    adversarial_evaluator.check(training.read_workdir_config(path),
+                                **attack_options(config))
   for train_config in config.train.values():
-    attacks.check(train_config, **attack_options(config))
+    adversarial_evaluator.check(train_config, **attack_options(config))
   trained = [os.path.join(workdir, 'train', name) for name in config.train]
   for path, train_config in zip(trained, config.train.values(), strict=True):
     training.train(train_config, path)

@@ -24,7 +24,7 @@ import ml_collections
 from capsjax import data as data_lib
 from capsjax import figures
 from capsjax import training
-from capsjax.evaluators import two_digit_pairs
+from capsjax.evaluators import two_digit_transfer
 from experiments import launcher
 
 # Su's numbers (his capsule post and bojone/Capsule): normal MNIST test accuracy,
@@ -72,7 +72,7 @@ def _check_config(config: ml_collections.ConfigDict) -> None:
                        f'num_train_steps > 0.')
   missing = [key for key in _EVALS if key not in config.evals]
   if missing:
-    raise ValueError(f"config.evals.{missing[0]} (type='two_digit_pairs') is "
+    raise ValueError(f"config.evals.{missing[0]} (type='two_digit_transfer') is "
                      f'a test of this experiment; it is missing.')
 
 
@@ -119,9 +119,9 @@ def _figures(config, workdir: str, test: data_lib.Split, seed: int
              for name in config.models}
   paths = {}
   for key, layout in _EVALS.items():
-    shown = two_digit_pairs.test_pairs(test, seed, config.figure_pairs, layout)
+    shown = two_digit_transfer.test_pairs(test, seed, config.figure_pairs, layout)
     scores = {name.removeprefix('two_digit_'):
-              two_digit_pairs.predict_scores(model, shown['image'])
+              two_digit_transfer.predict_scores(model, shown['image'])
               for name, model in trained.items()}
     paths[layout] = os.path.join(
         workdir, 'pairs.png' if layout == 'stacked' else f'pairs_{layout}.png')

@@ -17,7 +17,7 @@ from capsjax import adversarial
 from capsjax import families
 from capsjax import losses
 from capsjax import models
-from capsjax.evaluators import attacks
+from capsjax.evaluators import adversarial as adversarial_evaluator
 from experiments import adversarial as adversarial_experiment
 from experiments.configs import adversarial as adversarial_config
 from tests import conftest
@@ -293,7 +293,7 @@ def test_evaluate_attacks_on_capsule_models():
 
 def _check(config):
   """The experiment's check of its attack keys, before any training."""
-  attacks.check(ml_collections.ConfigDict({'dataset': 'mnist'}),
+  adversarial_evaluator.check(ml_collections.ConfigDict({'dataset': 'mnist'}),
                 **adversarial_experiment.attack_options(config))
 
 

@@ -16,9 +16,9 @@ from capsjax import data as data_lib
 from capsjax import figures
 from capsjax import models
 from capsjax import training
-from capsjax.training import dynamic
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments import affnist
 from experiments.configs import capsnet_affnist
 from experiments.configs import common
@@ -79,7 +79,7 @@ def test_train_step_places_digits_on_the_canvas_with_the_key():
   config = _baseline_config()
   images, labels = _digits(1, 8)
   optimizer = state_lib.make_optimizer(config)
-  steps = dynamic.make_steps(config, optimizer)
+  steps = vector_capsules.make_steps(config, optimizer)
   graphdef, state = state_lib.init_train_state(
       state_lib.create_model(config), optimizer)
   key = jax.random.key(5)
@@ -108,7 +108,7 @@ def test_target_accuracy_stops_training_and_resume_keeps_it(tmp_path, capsys):
   dataset = _dataset()
   config = _baseline_config(num_train_steps=30, eval_every_steps=5,
                             checkpoint_every_steps=5, log_every_steps=5)
-  steps = dynamic.make_steps(config, state_lib.make_optimizer(config))
+  steps = vector_capsules.make_steps(config, state_lib.make_optimizer(config))
   config.evals = {'again': dict(type='classification', split='test')}
   reach = affnist.reach_accuracy(1e-6)
   summary = loop.fit(config, str(tmp_path), steps, dataset, stop_when=reach)

@@ -18,9 +18,9 @@ from capsjax import data as data_lib
 from capsjax import evaluators
 from capsjax import models
 from capsjax import training
+from capsjax.evaluators import adversarial as adversarial_evaluator
 from capsjax.evaluators import affine
-from capsjax.evaluators import attacks
-from capsjax.evaluators import two_digit_pairs
+from capsjax.evaluators import two_digit_transfer
 from experiments.configs import capsnet_mnist
 from tests import conftest
 from tests.helpers import TINY
@@ -110,7 +110,7 @@ def test_load_context_evaluates_a_workdir_as_fit_did(trained):
 def test_attacks_at_epsilon_zero_are_the_clean_accuracy(trained):
   workdir, _, _, test = trained
   context = training.load_context(workdir)
-  row = attacks.evaluate(context, epsilons=(0.0, 0.3), num_examples=20,
+  row = adversarial_evaluator.evaluate(context, epsilons=(0.0, 0.3), num_examples=20,
                          bim_steps=2, bim_step_size=0.2, batch_size=20)
   lengths = context.model(test.images[:20] / 255.0, train=False)['class_scores']
   clean = np.mean(np.argmax(lengths, -1) == test.labels[:20])
@@ -119,7 +119,7 @@ def test_attacks_at_epsilon_zero_are_the_clean_accuracy(trained):
   assert 'margin loss' in row['attack_loss']
 
 
-def test_two_digit_pairs_counts_both_classes_of_each_pair(tmp_path):
+def test_two_digit_transfer_counts_both_classes_of_each_pair(tmp_path):
   data_dir = write_tiny_mnist(tmp_path / 'mnist', num_test=60)
   test = data_lib.load_dataset('mnist', data_dir=data_dir,
                                validation_size=0).test
@@ -131,7 +131,7 @@ def test_two_digit_pairs_counts_both_classes_of_each_pair(tmp_path):
       evaluate_split=None, eval_inputs=None,
       load_dataset=lambda: data_lib.Dataset(test, test, test, 10, 'mnist'))
   for layout in ('stacked', 'side_by_side'):
-    result = two_digit_pairs.evaluate(context, num_pairs=25,
+    result = two_digit_transfer.evaluate(context, num_pairs=25,
                                       confidence_threshold=0.3, layout=layout)
     # Direct: the pairs of seed 3, both classes among the two top scores.
     pairs = data_lib.digit_pairs(test.images, test.labels, 3, layout)
@@ -179,9 +179,9 @@ def test_bad_evals_fail_before_any_training(tmp_path):
       ({'x': dict(type='affine', source='affnist',
                   directory=str(tmp_path / 'none'))}, FileNotFoundError,
        'no such affNIST'),
-      ({'x': dict(type='two_digit_pairs', layout='diagonal')}, ValueError,
+      ({'x': dict(type='two_digit_transfer', layout='diagonal')}, ValueError,
        'layout must be one of'),
-      ({'x': dict(type='two_digit_pairs', num_pairs=-1)}, ValueError,
+      ({'x': dict(type='two_digit_transfer', num_pairs=-1)}, ValueError,
        'num_pairs'),
   )
   for i, (evals, error, match) in enumerate(cases):
@@ -192,6 +192,6 @@ def test_bad_evals_fail_before_any_training(tmp_path):
       training.train(config, str(workdir))
     assert not os.path.exists(workdir / 'checkpoints'), evals
   assert set(evaluators.available()) >= {
-      'affine', 'attacks', 'classification', 'confusion',
+      'adversarial', 'affine', 'classification', 'confusion',
       'multimnist_figure', 'reconstructions', 'routing_picture',
-      'two_digit_pairs'}
+      'two_digit_transfer'}

@@ -16,7 +16,7 @@ from flax import nnx
 
 from capsjax import figures
 from capsjax import models
-from capsjax.training import dynamic
+from capsjax.training import vector_capsules
 from tests import conftest
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
@@ -218,7 +218,7 @@ def capsnet_workdir(tmp_path_factory):
   config.data_dir = conftest.write_mnist_subset(
       tmp_path_factory.mktemp('mnist'), 400, 100)
   workdir = str(tmp_path_factory.mktemp('capsnet_workdir'))
-  dynamic.train_and_evaluate(config, workdir)
+  vector_capsules.train_and_evaluate(config, workdir)
   return workdir
 
 

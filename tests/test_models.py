@@ -53,7 +53,7 @@ def test_registry_lists_every_model_with_a_family():
       'baseline_cnn': 'cnn', 'capsnet': 'capsnet', 'matrix_capsnet': 'em',
       'two_digit_baseline': 'two_digit', 'two_digit_capsnet': 'two_digit'}
   assert {families.of(name).trainer.__name__ for name in names} == {
-      'capsjax.training.dynamic', 'capsjax.training.em'}
+      'capsjax.training.vector_capsules', 'capsjax.training.matrix_capsules'}
   assert families.of(models.create_model(
       'two_digit_baseline', rngs=nnx.Rngs(0))) is families.of(
           'two_digit_capsnet')

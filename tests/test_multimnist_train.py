@@ -19,8 +19,8 @@ from capsjax import families
 from capsjax import figures
 from capsjax import models
 from capsjax import training
-from capsjax.training import dynamic
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments.configs import capsnet_multimnist
 from tests import conftest
 from tests.conftest import REPO
@@ -209,7 +209,7 @@ def test_train_step_draws_its_pairs_from_the_key():
   images = rng.integers(0, 256, (30, 28, 28, 1)).astype(np.uint8)
   labels = (np.arange(30) % 10).astype(np.int32)
   optimizer = state_lib.make_optimizer(config)
-  steps = dynamic.make_multimnist_steps(config, optimizer)
+  steps = vector_capsules.make_multimnist_steps(config, optimizer)
   assert steps.train_batch is state_lib.whole_split
   graphdef, state = state_lib.init_train_state(
       state_lib.create_model(config), optimizer)
@@ -264,7 +264,7 @@ def test_bad_pair_counts_are_clear_errors():
   config = capsnet_multimnist.get_config('smoke')
   config.test_pairs = -1
   with pytest.raises(ValueError, match=r'config.test_pairs must be an int'):
-    dynamic.load_data(config)
+    vector_capsules.load_data(config)
 
 
 def test_configs():
@@ -331,7 +331,7 @@ def check_smoke_workdir(workdir, variant):
   # The reported error recounted from the saved model on the config's test
   # pairs, the top 2 taken here with NumPy (the baseline's 40 steps learn
   # nothing measurable: its error is chance's).
-  test = dynamic.load_data(config).test
+  test = vector_capsules.load_data(config).test
   model = training.load_trained_model(str(workdir), 'best')
   scores = np.asarray(model(
       test.images[..., :1].astype(np.float32) / 255.0,

@@ -17,8 +17,8 @@ from capsjax import evaluators
 from capsjax import models
 from capsjax import training
 from capsjax.evaluators import ensemble
-from capsjax.training import dynamic
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments import benchmark
 from experiments import reproduce
 from experiments.configs import capsnet_cifar10
@@ -128,9 +128,9 @@ def test_preprocess_train_and_eval(name):
                              'smallnorb': (48, 48, 2)}[name]
   images = np.random.default_rng(0).integers(
       0, 256, (4, height, width, channels), dtype=np.uint8)
-  train = jax.jit(lambda x, k: dynamic.preprocess(config, x, k))(
+  train = jax.jit(lambda x, k: vector_capsules.preprocess(config, x, k))(
       images, jax.random.key(0))
-  evaluation = dynamic.make_steps(config, state_lib.make_optimizer(
+  evaluation = vector_capsules.make_steps(config, state_lib.make_optimizer(
       config)).eval_inputs(images)
   shape = (4, *config.model_options.input_shape)
   assert train.shape == evaluation.shape == shape
@@ -205,7 +205,7 @@ def _tiny_contexts(tmp_path, dataset, num):
   """Untrained tiny CIFAR-10 CapsNets (seeds 0 .. num - 1) as contexts."""
   config = capsnet_cifar10.get_config('smoke')
   config.model_options.update(conv1_channels=4, primary_types=2)
-  steps = dynamic.make_steps(config, state_lib.make_optimizer(config))
+  steps = vector_capsules.make_steps(config, state_lib.make_optimizer(config))
   contexts = {}
   for seed in range(num):
     workdir = tmp_path / f'model_{seed}'

@@ -28,10 +28,10 @@ from capsjax import models
 from capsjax import training
 from capsjax.data import images
 from capsjax.evaluators import confusion
-from capsjax.training import dynamic
 from capsjax.training import memory
 from capsjax.training import own_images
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments.configs import own_images as own_images_config
 from tests import conftest
 from tests.conftest import REPO
@@ -494,7 +494,7 @@ def test_model_size_counts_what_the_model_holds():
       _small_config('smoke', '/x', batch_size=8), dataset, ('a', 'b', 'c'),
       say=lambda _: None)
   optimizer = state_lib.make_optimizer(config)
-  steps = dynamic.make_steps(config, optimizer)
+  steps = vector_capsules.make_steps(config, optimizer)
   size = own_images.model_size(config, steps, optimizer, dataset)
   model = state_lib.create_model(config)
   assert size.num_params == models.count_params(model)
@@ -542,7 +542,7 @@ def test_the_estimate_is_near_what_xla_compiles_the_step_to():
       _small_config('smoke', '/x', batch_size=16), dataset, ('a', 'b', 'c'),
       say=lambda _: None)
   optimizer = state_lib.make_optimizer(config)
-  steps = dynamic.make_steps(config, optimizer)
+  steps = vector_capsules.make_steps(config, optimizer)
   size = own_images.model_size(config, steps, optimizer, dataset)
   graphdef, state = state_lib.init_train_state(state_lib.create_model(config),
                                                optimizer)
@@ -585,7 +585,7 @@ def test_a_run_too_large_for_the_memory_stops_first_in_one_line(tmp_path):
   config = _small_config('smoke', root, image_size=48, memory_limit_gb=0.03)
   lines = []
   with pytest.raises(own_images.ModelTooLarge) as error:
-    own_images.train_and_evaluate(config, str(workdir), dynamic,
+    own_images.train_and_evaluate(config, str(workdir), vector_capsules,
                                   say=lines.append)
   message = str(error.value)
   assert '\n' not in message

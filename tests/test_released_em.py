@@ -418,7 +418,7 @@ def test_released_model_options():
   transforms = np.asarray(model.caps1.weights[...])
   assert np.abs(transforms).max() <= 0.6  # truncated at 2 x 0.3
   out = model(np.zeros((2, 32, 32, 1), np.float32))
-  assert np.all(np.isfinite(np.asarray(out['activations'])))
+  assert np.all(np.isfinite(np.asarray(out['class_scores'])))
   with pytest.raises(ValueError, match='true_stride applies'):
     models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), A=8, B=4, C=4,
                         D=4, true_stride=True)

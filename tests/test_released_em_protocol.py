@@ -22,7 +22,7 @@ from capsjax import losses
 from capsjax.data import load_dataset
 from capsjax.data import smallnorb as norb
 from capsjax.data import write_norb_matrix
-from capsjax.training import em
+from capsjax.training import matrix_capsules
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
 
@@ -159,12 +159,13 @@ def test_l2_penalty_forms_by_hand():
   params = {'w': jnp.array([[1.0, 2.0], [3.0, 4.0]]),
             'kernel': jnp.array([[[0.5]]]),
             'bias': jnp.array([5.0, 6.0])}  # one dimension: exempt
-  assert float(em.l2_penalty(params)) == pytest.approx(30.25)
-  assert float(em.l2_penalty(params, form='half')) == pytest.approx(15.125)
+  assert float(matrix_capsules.l2_penalty(params)) == pytest.approx(30.25)
+  assert float(matrix_capsules.l2_penalty(params, form='half')) == pytest.approx(15.125)
   expected = tf_l2_loss(params['w']) + tf_l2_loss(params['kernel'])
-  assert float(em.l2_penalty(params, form='half')) == pytest.approx(expected)
+  assert float(matrix_capsules.l2_penalty(params, form='half')) == (
+      pytest.approx(expected))
   with pytest.raises(ValueError, match="'sum' or 'half'"):
-    em.l2_penalty(params, form='mean')
+    matrix_capsules.l2_penalty(params, form='mean')
 
 
 # ----------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def test_l2_penalty_forms_by_hand():
 
 def test_clip_gradients_is_element_wise():
   grads = {'a': jnp.array([300.0, -250.0, 50.0]), 'b': jnp.array([[-1e3]])}
-  clipper = em.clip_gradients(optax.identity(), 200.0)
+  clipper = matrix_capsules.clip_gradients(optax.identity(), 200.0)
   out, _ = clipper.update(grads, clipper.init(grads))
   np.testing.assert_array_equal(out['a'], [200.0, -200.0, 50.0])
   np.testing.assert_array_equal(out['b'], [[-200.0]])
@@ -193,7 +194,7 @@ def test_make_optimizer_clips_before_adam():
            np.array([3.0, -1.0, 0.5])]
   got = {}
   for clip in (0.0, 200.0):
-    optimizer = em.make_optimizer(_optimizer_config(clip))
+    optimizer = matrix_capsules.make_optimizer(_optimizer_config(clip))
     state = optimizer.init(params)
     got[clip] = []
     for g in steps:
@@ -207,11 +208,11 @@ def test_make_optimizer_clips_before_adam():
   assert not np.allclose(got[0.0][1], got[200.0][1], rtol=1e-3)
   # The state is the unclipped optimizer's: the loop builds it without the
   # clip.
-  plain = em.make_optimizer(_optimizer_config(0.0)).init(params)
-  clipped = em.make_optimizer(_optimizer_config(200.0)).init(params)
+  plain = matrix_capsules.make_optimizer(_optimizer_config(0.0)).init(params)
+  clipped = matrix_capsules.make_optimizer(_optimizer_config(200.0)).init(params)
   assert jax.tree.structure(plain) == jax.tree.structure(clipped)
   with pytest.raises(ValueError, match='grad_clip'):
-    em.make_optimizer(_optimizer_config(-1.0))
+    matrix_capsules.make_optimizer(_optimizer_config(-1.0))
 
 
 # ----------------------------------------------------------------------------
@@ -263,10 +264,10 @@ def test_loading_with_pick_downsampling(tmp_path):
                                 test_dat[:, :, ::2, ::2].transpose(0, 2, 3, 1))
   config = matrix_capsnet_smallnorb.get_config('authors')
   config.data_dir, config.validation_size = str(tmp_path), 0
-  np.testing.assert_array_equal(em.load_data(config).test.images,
+  np.testing.assert_array_equal(matrix_capsules.load_data(config).test.images,
                                 picked.test.images)
   config.downsample = 'mean'
-  assert not np.array_equal(em.load_data(config).test.images,
+  assert not np.array_equal(matrix_capsules.load_data(config).test.images,
                             picked.test.images)
   with pytest.raises(ValueError, match='downsample'):
     load_dataset('smallnorb', data_dir=tmp_path, downsample='area')
@@ -342,14 +343,14 @@ def test_keyed_preprocess_is_distort_of_its_draws():
                                         pixel_max=pixel_max),
         norb.smallnorb_distort(images, offsets, delta, factor, order=order,
                                pixel_max=pixel_max))
-  # The config's options reach em.preprocess, training and evaluation.
+  # The config's options reach matrix_capsules.preprocess, training and evaluation.
   config = matrix_capsnet_smallnorb.get_config('authors')
   np.testing.assert_array_equal(
-      em.preprocess(config, images, key),
+      matrix_capsules.preprocess(config, images, key),
       norb.smallnorb_distort(images, offsets, delta, factor, order='released',
                              pixel_max=255.0))
   np.testing.assert_allclose(
-      em.preprocess(config, images, None)[1],
+      matrix_capsules.preprocess(config, images, None)[1],
       per_image_standardization(images[1, 8:40, 8:40]), atol=2e-5)
 
 
@@ -439,7 +440,7 @@ def test_eval_step_combines_the_13_crops():
   for crops, expected_correct in (
       ('released13', 16), ('centre', np.sum(per_crop[0].argmax(-1) == labels))):
     config.test_crops = crops
-    steps = em.make_steps(config, em.make_optimizer(config))
+    steps = matrix_capsules.make_steps(config, matrix_capsules.make_optimizer(config))
     sums = jax.jit(functools.partial(steps.eval_step, graphdef))(
         params, model_state, images, labels, mask)
     assert int(sums['correct']) == expected_correct, crops
@@ -453,7 +454,7 @@ def test_eval_step_combines_the_13_crops():
   config = matrix_capsnet_mnist.get_config('')
   config.test_crops = 'released13'
   with pytest.raises(ValueError, match='smallNORB'):
-    em.make_steps(config, em.make_optimizer(config))
+    matrix_capsules.make_steps(config, matrix_capsules.make_optimizer(config))
 
 
 # ----------------------------------------------------------------------------

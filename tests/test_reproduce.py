@@ -356,8 +356,8 @@ def test_smoke_suite_stops_on_sigterm_resumes_and_finishes(tmp_path):
   MultiMNIST and affNIST (a file in the release format) recounts."""
   from tests import test_affnist_train
   from tests import test_multimnist_train
-  from tests import test_training_dynamic
-  from tests import test_training_em
+  from tests import test_training_matrix_capsules
+  from tests import test_training_vector_capsules
   from tests import test_two_digit_transfer
   affnist = test_affnist_train.write_affnist_file(tmp_path / 'affnist',
                                                   conftest.MNIST)
@@ -421,8 +421,8 @@ def test_smoke_suite_stops_on_sigterm_resumes_and_finishes(tmp_path):
     # Trained models: the attacks take accuracy down.
     assert row['bim'][-1] < row['clean_accuracy'] - 0.2, (name, row)
 
-  test_training_dynamic.check_smoke_capsnet(workdir / 'capsnet_mnist')
-  test_training_em.check_smoke_em(workdir / 'matrix_capsnet_mnist')
+  test_training_vector_capsules.check_smoke_capsnet(workdir / 'capsnet_mnist')
+  test_training_matrix_capsules.check_smoke_em(workdir / 'matrix_capsnet_mnist')
   test_two_digit_transfer.check_smoke_workdir(workdir / 'two_digit_transfer',
                                               conftest.MNIST)
   test_multimnist_train.check_smoke_workdir(workdir / 'multimnist', 'smoke')

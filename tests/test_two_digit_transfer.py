@@ -14,7 +14,7 @@ from flax import nnx
 from capsjax import data as data_lib
 from capsjax import models
 from capsjax import training
-from capsjax.evaluators import two_digit_pairs
+from capsjax.evaluators import two_digit_transfer as transfer_evaluator
 from experiments import two_digit_transfer as two_digit_transfer_experiment
 from experiments.configs import two_digit_transfer
 from tests import conftest
@@ -47,7 +47,7 @@ def test_pair_accuracies_match_su_code():
   boost = rng.uniform(0, 0.5, (m, 2)).astype(np.float32)
   np.put_along_axis(scores, labels,
                     np.take_along_axis(scores, labels, 1) + boost, 1)
-  out = jax.jit(two_digit_pairs.pair_accuracies)(scores, labels)
+  out = jax.jit(transfer_evaluator.pair_accuracies)(scores, labels)
   top2, confident = su_accuracies(scores, labels)
   np.testing.assert_array_equal(out['top2'], top2)
   np.testing.assert_array_equal(out['top2_confident'], confident)
@@ -64,13 +64,13 @@ def test_pair_accuracies_cases():
   scores[2, [3, 7]] = 0.9, 0.4     # right, but one score below 0.5
   scores[3, [3, 1]] = 0.9, 0.8     # one class wrong
   scores[4, [3, 7, 1]] = 0.9, 0.7, 0.8  # true class third
-  out = two_digit_pairs.pair_accuracies(scores, labels)
+  out = transfer_evaluator.pair_accuracies(scores, labels)
   np.testing.assert_array_equal(out['top2'], [1, 1, 1, 0, 0])
   np.testing.assert_array_equal(out['top2_confident'], [1, 1, 0, 0, 0])
-  out = two_digit_pairs.pair_accuracies(scores, labels, threshold=0.35)
+  out = transfer_evaluator.pair_accuracies(scores, labels, threshold=0.35)
   np.testing.assert_array_equal(out['top2_confident'], [1, 1, 1, 0, 0])
   with pytest.raises(ValueError, match=r'labels \[M, 2\]'):
-    two_digit_pairs.pair_accuracies(scores, labels[:, :1])
+    transfer_evaluator.pair_accuracies(scores, labels[:, :1])
 
 
 @pytest.mark.parametrize('name', ['two_digit_baseline', 'two_digit_capsnet'])
@@ -81,7 +81,7 @@ def test_predict_scores_matches_the_model_for_any_batch(name):
   direct = model(images.astype(np.float32) / 255.0)['class_scores']
   for batch_size in (3, 7, 100):
     np.testing.assert_allclose(
-        two_digit_pairs.predict_scores(model, images, batch_size), direct,
+        transfer_evaluator.predict_scores(model, images, batch_size), direct,
         rtol=1e-5, atol=1e-6)
 
 
@@ -210,7 +210,7 @@ def check_smoke_workdir(workdir, mnist_dir):
     model = training.load_trained_model(str(workdir / name))
     for layout, record in (('stacked', row), ('side_by_side',
                                               row['side_by_side'])):
-      pairs = two_digit_pairs.test_pairs(test, config.evals.pairs.seed, 200,
+      pairs = transfer_evaluator.test_pairs(test, config.evals.pairs.seed, 200,
                                          layout)
       assert pairs['image'].shape[1:3] == ((56, 28) if layout == 'stacked'
                                            else (28, 56))

@@ -36,9 +36,9 @@ from flax import nnx
 
 from capsjax import training
 from capsjax.training import checkpoints
-from capsjax.training import dynamic
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments import reproduce
 from tests import conftest
 from tests.conftest import REPO
@@ -275,7 +275,7 @@ def _config(data_dir, **overrides):
 def trained(tmp_path_factory, tiny_data):
   """A finished tiny run: its workdir (to copy) and summary."""
   workdir = tmp_path_factory.mktemp('trained') / 'work'
-  summary = dynamic.train_and_evaluate(_config(tiny_data), str(workdir))
+  summary = vector_capsules.train_and_evaluate(_config(tiny_data), str(workdir))
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['6', '8']
   return workdir, summary
 
@@ -302,7 +302,7 @@ def test_damaged_latest_checkpoint_is_said_and_the_run_resumes_from_the_good_one
          array_files(work / 'checkpoints' / '8')['arrays'], kind)
   os.remove(work / 'summary.json')
   capsys.readouterr()
-  summary = dynamic.train_and_evaluate(_config(tiny_data), str(work))
+  summary = vector_capsules.train_and_evaluate(_config(tiny_data), str(work))
   out = capsys.readouterr().out
   damaged = [line for line in out.splitlines() if ' is damaged ' in line]
   assert len(damaged) == 1, out
@@ -342,7 +342,7 @@ def test_damaged_best_checkpoint_is_never_tested(tmp_path, tiny_data, trained,
   with pytest.raises(checkpoints.CheckpointDamaged,
                      match='the model selected on validation is not tested. '
                            'Rerun the same command'):
-    dynamic.train_and_evaluate(_config(tiny_data), str(work))
+    vector_capsules.train_and_evaluate(_config(tiny_data), str(work))
   assert not (work / 'summary.json').exists()  # nothing was tested
   monkeypatch.undo()
   with pytest.raises(checkpoints.CheckpointDamaged) as info:
@@ -352,7 +352,7 @@ def test_damaged_best_checkpoint_is_never_tested(tmp_path, tiny_data, trained,
   assert 'the model selected on validation is not used' in str(info.value)
 
   capsys.readouterr()
-  summary = dynamic.train_and_evaluate(_config(tiny_data), str(work))
+  summary = vector_capsules.train_and_evaluate(_config(tiny_data), str(work))
   out = capsys.readouterr().out
   assert (f'Warning: the best checkpoint (step {best_step}) in {work}/best is '
           f'damaged or missing (') in out, out
@@ -404,7 +404,7 @@ def test_divergence_after_resuming_an_unverified_checkpoint_blames_it(
   manager.wait_until_finished()
   manager.close()
   with pytest.raises(loop.TrainingDiverged) as info:
-    dynamic.train_and_evaluate(_config(tiny_data, num_train_steps=10),
+    vector_capsules.train_and_evaluate(_config(tiny_data, num_train_steps=10),
                                str(work))
   message = str(info.value)
   assert message.startswith('the loss or a gradient became non-finite at '

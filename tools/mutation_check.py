@@ -86,7 +86,7 @@ MUTATIONS = (
         'spread_loss_counts_the_target', 'capsjax/losses.py',
         '  total = jnp.sum(gaps * (1.0 - one_hot), axis=-1)',
         '  total = jnp.sum(gaps, axis=-1)',
-        ('tests/test_training_em.py::'
+        ('tests/test_training_matrix_capsules.py::'
          'test_em_loss_branches_equal_their_definitions',)),
     # The data pipeline.
     Mutation(
@@ -106,10 +106,10 @@ MUTATIONS = (
         ('tests/test_official_capsnet.py::'
          'test_official_capsnet_matches_the_official_code',)),
     Mutation(
-        'em_step_margin_ignores_the_step', 'capsjax/training/em.py',
+        'em_step_margin_ignores_the_step', 'capsjax/training/matrix_capsules.py',
         '                                  step=state.step)[0])',
         '                                  step=0)[0])',
-        ('tests/test_training_em.py::'
+        ('tests/test_training_matrix_capsules.py::'
          'test_train_step_feeds_the_state_step_to_the_loss',)),
     # Resume.
     Mutation(

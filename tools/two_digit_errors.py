@@ -22,7 +22,7 @@ from capsjax import training
 from capsjax.data import blank_fields
 from capsjax.data import digit_pairs
 from capsjax.data import load_dataset
-from capsjax.evaluators import two_digit_pairs
+from capsjax.evaluators import two_digit_transfer
 
 
 def main(workdirs: list[str]) -> None:
@@ -33,7 +33,7 @@ def main(workdirs: list[str]) -> None:
     model = training.load_trained_model(workdir)
     for layout in ('stacked', 'side_by_side'):
       pairs = digit_pairs(test.images, test.labels, 0, layout)
-      scores = two_digit_pairs.predict_scores(model, pairs['image'])
+      scores = two_digit_transfer.predict_scores(model, pairs['image'])
       top = np.argsort(-scores, 1)[:, :2]
       wrong = ~(np.sort(top, 1) == np.sort(pairs['labels'], 1)).all(1)
       spurious_one = (wrong & (top == 1).any(1)

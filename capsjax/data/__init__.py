@@ -49,9 +49,9 @@ from capsjax.data.smallnorb import smallnorb_train_preprocess
 from capsjax.data.smallnorb import write_norb_matrix
 from capsjax.data.svhn import read_svhn_mat
 from capsjax.data.svhn import write_svhn_mat
-from capsjax.data.two_digits import PAIR_LAYOUTS
-from capsjax.data.two_digits import blank_fields
-from capsjax.data.two_digits import digit_pairs
+from capsjax.data.two_digit_transfer import PAIR_LAYOUTS
+from capsjax.data.two_digit_transfer import blank_fields
+from capsjax.data.two_digit_transfer import digit_pairs
 
 __all__ = (
     'PAIR_LAYOUTS',

@@ -3,7 +3,7 @@
 A run's config lists them under ``config.evals``, each entry an evaluator
 type (a module of this package) and its options:
 
-    config.evals.pairs = dict(type='two_digit_pairs', num_pairs=0)
+    config.evals.pairs = dict(type='two_digit_transfer', num_pairs=0)
     config.evals.affnist = dict(type='affine', source='affnist',
                                 directory='/data/affNIST')
 
@@ -17,8 +17,8 @@ workdir is evaluated the same way through ``training.load_context``.
 
 Evaluators: ``classification`` (a split of the run's own dataset),
 ``affine`` (affine-transformed MNIST test digits or the affNIST test set),
-``two_digit_pairs`` (Su's two-digit test), ``multimnist_figure`` (Sabour et
-al. Fig. 5), ``attacks`` (FGSM and BIM), ``reconstructions`` (Sabour et al.
+``two_digit_transfer`` (Su's two-digit test), ``multimnist_figure`` (Sabour et
+al. Fig. 5), ``adversarial`` (FGSM and BIM), ``reconstructions`` (Sabour et al.
 Figs. 3 and 4), ``routing_picture`` (couplings or EM assignments),
 ``ensemble`` (several trained models' class scores averaged) and
 ``confusion`` (per-class accuracy and the confusion matrix).

@@ -10,8 +10,11 @@ Modules, one concern each:
   metrics      TensorBoard and JSON-lines metrics, the progress bar, records.
   evaluation   accuracy and loss over a split, the last batch padded.
   loop         ``fit``: train, resume, select on validation, test, evaluate.
-  dynamic, em  the two trainers: jittable steps around the family's loss,
-               preprocessing and the dataset of a run.
+  vector_capsules, matrix_capsules
+               the two trainers: jittable steps around the family's loss,
+               preprocessing and the dataset of a run. vector_capsules
+               trains CapsNet, Su's models and their baseline CNNs;
+               matrix_capsules the matrix-capsule (EM) models.
   runs         ``train(config, workdir)`` by the model's family;
                ``load_context(workdir)`` for the evaluators.
   own_images   a run on your own images (shapes from the data, the

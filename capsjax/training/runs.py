@@ -22,8 +22,9 @@ from capsjax.training.state import make_optimizer
 
 
 def family(config: ml_collections.ConfigDict) -> types.ModuleType:
-  """The trainer module (``dynamic`` or ``em``) of ``config.model``'s family
-  (``families.of``; ValueError naming the valid models if unknown)."""
+  """The trainer module (``vector_capsules`` or ``matrix_capsules``) of
+  ``config.model``'s family (``families.of``; ValueError naming the valid
+  models if unknown)."""
   return families.of(config.model).trainer
 
 

@@ -53,7 +53,7 @@ def get_config(variant: str = ''):
   config.model_options.leaky = True
   config.model_options.reconstruction = False
   # CIFAR-10 is read from its 32x32 files and cropped on the device
-  # (training.dynamic.preprocess): no shifts.
+  # (training.vector_capsules.preprocess): no shifts.
   config.max_shift = 0
   # Left-right flips of the training crops (the official input flips).
   config.random_flip = True

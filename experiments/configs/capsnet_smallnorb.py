@@ -53,7 +53,7 @@ def get_config(variant: str = ''):
   # Pixels are standardised from [0, pixel_max]: 255, the official code's
   # scale; 1.0 differs only where the std floor 1/sqrt(32 * 32 * 2) binds.
   config.pixel_max = 255.0
-  # The crops are the only translation (training.dynamic.preprocess).
+  # The crops are the only translation (training.vector_capsules.preprocess).
   config.max_shift = 0
   config.num_train_steps = 17_200
   for part in filter(None, variant.split(',')):

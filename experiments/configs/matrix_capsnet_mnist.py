@@ -38,8 +38,9 @@ def em_defaults(config):
   # 'sum' (the paper's eq. 3) or 'mean' (the released code's mean over the
   # classes: the sum / K, 1/10 on MNIST, 1/5 on smallNORB).
   config.spread_class_reduction = 'sum'
-  # The L2 penalty times weight_decay (em.l2_penalty): 'sum' of the squared
-  # weights, or 'half' of it (the released code's tf.nn.l2_loss).
+  # The L2 penalty times weight_decay (training.matrix_capsules.l2_penalty):
+  # 'sum' of the squared weights, or 'half' of it (the released code's
+  # tf.nn.l2_loss).
   config.l2_form = 'sum'
   # > 0: clip each gradient element to [-grad_clip, grad_clip] before Adam
   # (the released code: 200); 0: no clipping.
@@ -166,9 +167,9 @@ def get_config(variant: str = ''):
   config.num_train_steps = 50_000
   for part in filter(None, variant.split(',')):
     if part == 'smoke':
-      # The CI test's model (tests/test_training_em.py): two EM iterations in
-      # every layer (the E-step runs), 1500 steps of batch 32 in 70-73 s of
-      # training on an idle 2-core CPU (4 host devices): 96.52% test
+      # The CI test's model (tests/test_training_matrix_capsules.py): two EM
+      # iterations in every layer (the E-step runs), 1500 steps of batch 32
+      # in 70-73 s of training on an idle 2-core CPU (4 host devices): 96.52% test
       # accuracy (96.98% validation), seed 1 96.46% (96.84%); 96.81% at the
       # current code (results/em_mnist_smoke). 1035 steps gave 95.16% test
       # (seed 1 94.91%, under the claim); with the schedule unchanged the

@@ -40,7 +40,8 @@ def get_config(variant: str = ''):
   # standardisation: 1.0, or 255.0 (the released code's bytes); only the
   # standardisation's std floor 1/sqrt(32 * 32 * C) tells them apart.
   config.pixel_max = 1.0
-  # Test-time views (em.eval_crop_mode): 'centre' (the central 32x32) or
+  # Test-time views (training.matrix_capsules.eval_crop_mode): 'centre' (the
+  # central 32x32) or
   # 'released13' (run.sh's test: 13 crops shifted by at most 2 pixels, each
   # crop's activations divided by their sum over the classes, summed).
   config.test_crops = 'centre'

@@ -27,7 +27,7 @@ Keys beyond ``common.base_config``:
               split (num_train_steps > 0 instead gives the steps);
               model_options: merged over ``model_options`` (the trunk).
   evals.pairs, evals.side_by_side  the two tests
-              (``capsjax.evaluators.two_digit_pairs``): num_pairs (0: all),
+              (``capsjax.evaluators.two_digit_transfer``): num_pairs (0: all),
               seed of the pairs, confidence_threshold (accuracy 2 needs
               both top scores above it, 0.5), layout.
   figure_pairs  pairs drawn in WORKDIR/pairs.png and pairs_side_by_side.png.
@@ -86,7 +86,7 @@ def get_config(variant: str = ''):
   config.log_every_steps = 50
   config.eval_every_steps = 430  # about an epoch of 55,000 digits
   config.checkpoint_every_steps = 430
-  pairs = dict(type='two_digit_pairs', num_pairs=0, seed=0,
+  pairs = dict(type='two_digit_transfer', num_pairs=0, seed=0,
                confidence_threshold=0.5)
   config.evals.pairs = dict(pairs, layout='stacked')
   config.evals.side_by_side = dict(pairs, layout='side_by_side')

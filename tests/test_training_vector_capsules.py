@@ -24,9 +24,9 @@ from flax import nnx
 from capsjax import data as data_lib
 from capsjax import training
 from capsjax.training import checkpoints
-from capsjax.training import dynamic
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from capsjax.training import vector_capsules
 from experiments import launcher
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
@@ -295,7 +295,7 @@ def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
   the last state is tested and reported, and no 'best' copy is kept."""
   workdir = str(tmp_path / 'work')
   config = tiny_config(tiny_mnist, select_on_validation=False, adam_epsilon=1e-7)
-  summary = dynamic.train_and_evaluate(config, workdir)
+  summary = vector_capsules.train_and_evaluate(config, workdir)
   assert summary['selected_step'] == summary['steps'] == TINY['num_train_steps']
   records = [json.loads(line) for line in open(f'{workdir}/metrics.jsonl')]
   last_validation = [r for r in records if 'validation/accuracy' in r][-1]
@@ -363,13 +363,13 @@ def test_checkpoints_also_by_wall_time(tmp_path, tiny_mnist):
   config = tiny_config(tiny_mnist, checkpoint_every_steps=1000,
                         eval_every_steps=1000, num_train_steps=7,
                         checkpoint_every_seconds=1e-6)
-  dynamic.train_and_evaluate(config, str(workdir))
+  vector_capsules.train_and_evaluate(config, str(workdir))
   saved = checkpoints.Checkpointer(str(workdir / 'checkpoints'))
   # Every step is past the time limit; the last 2 are kept.
   assert sorted(saved._manager.all_steps()) == [6, 7]
   config.checkpoint_every_seconds = -1.0
   with pytest.raises(ValueError, match='checkpoint_every_seconds'):
-    dynamic.train_and_evaluate(config, str(tmp_path / 'other'))
+    vector_capsules.train_and_evaluate(config, str(tmp_path / 'other'))
 
 
 def test_a_long_run_says_how_long_and_what_is_shorter(monkeypatch):
@@ -402,7 +402,7 @@ def test_a_long_run_says_how_long_and_what_is_shorter(monkeypatch):
 def test_rerun_with_another_config_is_checked_before_anything_is_written(
     tmp_path, tiny_mnist, capsys):
   workdir = tmp_path / 'work'
-  dynamic.train_and_evaluate(
+  vector_capsules.train_and_evaluate(
       tiny_config(tiny_mnist, num_train_steps=4), str(workdir))
   stored = (workdir / 'config.json').read_bytes()
   files = sorted(p.relative_to(workdir) for p in workdir.rglob('*'))
@@ -411,13 +411,13 @@ def test_rerun_with_another_config_is_checked_before_anything_is_written(
   with pytest.raises(ValueError, match=(
       r'holds a checkpoint of another model: model_options.conv1_channels 8 '
       r'-> 16 .*Nothing was written. Use another --workdir')):
-    dynamic.train_and_evaluate(other_model, str(workdir))
+    vector_capsules.train_and_evaluate(other_model, str(workdir))
   assert (workdir / 'config.json').read_bytes() == stored
   assert sorted(p.relative_to(workdir) for p in workdir.rglob('*')) == files
   capsys.readouterr()
   # More steps: accepted and said; another learning rate: a warning.
   longer = tiny_config(tiny_mnist, num_train_steps=6, learning_rate=5e-3)
-  summary = dynamic.train_and_evaluate(longer, str(workdir))
+  summary = vector_capsules.train_and_evaluate(longer, str(workdir))
   out = capsys.readouterr().out
   assert 'Changed from the stored config: num_train_steps 4 -> 6.' in out, out
   assert ('Warning: resuming with values that differ from the stored config '
@@ -434,7 +434,7 @@ def test_unwritable_workdir_names_it_and_the_fix(tmp_path, tiny_mnist):
   with pytest.raises(OSError, match=(
       rf'cannot write to the workdir {re.escape(str(workdir))} \(.*\); '
       r'choose a --workdir you can write to')):
-    dynamic.train_and_evaluate(tiny_config(tiny_mnist), str(workdir))
+    vector_capsules.train_and_evaluate(tiny_config(tiny_mnist), str(workdir))
 
 
 def _poisoned_at(make_steps, poison_step):
@@ -464,8 +464,9 @@ def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
                        checkpoint_every_steps=1)
   with monkeypatch.context() as patch, pytest.raises(
       loop.TrainingDiverged, match=r'non-finite at step 5\b') as info:
-    patch.setattr(dynamic, 'make_steps', _poisoned_at(dynamic.make_steps, 5))
-    dynamic.train_and_evaluate(config, workdir)
+    patch.setattr(vector_capsules, 'make_steps',
+                  _poisoned_at(vector_capsules.make_steps, 5))
+    vector_capsules.train_and_evaluate(config, workdir)
   assert 'last good checkpoint (step 5)' in str(info.value)
   assert os.path.join(workdir, 'checkpoints') in str(info.value)
   checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))
@@ -475,7 +476,7 @@ def test_poisoned_batch_stops_naming_the_step_and_keeps_last_good_checkpoint(
 
   clean = tiny_config(tiny_mnist, num_train_steps=8, log_every_steps=4,
                        checkpoint_every_steps=1)
-  summary = dynamic.train_and_evaluate(clean, workdir)
+  summary = vector_capsules.train_and_evaluate(clean, workdir)
   assert summary['steps'] == 8
   assert all(np.all(np.isfinite(p)) for p in _params(workdir, 'latest'))
 
@@ -487,7 +488,7 @@ def test_same_seed_and_config_give_identical_runs(tmp_path, tiny_mnist):
   for name, seed in (('a', 0), ('b', 0), ('other_seed', 1)):
     config = tiny_config(tiny_mnist, num_train_steps=4, seed=seed,
                           checkpoint_every_steps=4, eval_every_steps=4)
-    summaries[name] = dynamic.train_and_evaluate(
+    summaries[name] = vector_capsules.train_and_evaluate(
         config, str(tmp_path / name))
   _assert_same_params(tmp_path / 'a', tmp_path / 'b')
   for key in ('validation', 'test', 'steps'):
@@ -505,7 +506,7 @@ def test_bfloat16_training_follows_float32_training(tmp_path, tiny_mnist):
   for dtype in ('float32', 'bfloat16'):
     config = tiny_config(tiny_mnist, num_train_steps=6, compute_dtype=dtype,
                           checkpoint_every_steps=6, eval_every_steps=6)
-    summary = dynamic.train_and_evaluate(config, str(tmp_path / dtype))
+    summary = vector_capsules.train_and_evaluate(config, str(tmp_path / dtype))
     losses = [json.loads(line)['train/loss'] for line in
               open(tmp_path / dtype / 'metrics.jsonl') if 'train/loss' in line]
     runs[dtype] = summary, losses, _params(tmp_path / dtype, 'latest')
@@ -596,20 +597,20 @@ def test_max_train_seconds_stops_with_a_checkpoint_and_a_summary(
   config = tiny_config(tiny_mnist, num_train_steps=12)
   del config['max_train_seconds']  # an int in the config; a float here
   config.max_train_seconds = 1e-9
-  summary = dynamic.train_and_evaluate(config, workdir)
+  summary = vector_capsules.train_and_evaluate(config, workdir)
   assert summary['steps'] == 1, summary
   assert summary['selected_step'] == 1 and summary['test']
   checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))
   assert checkpointer.latest_step() == 1
   checkpointer.close()
-  again = dynamic.train_and_evaluate(config, workdir)
+  again = vector_capsules.train_and_evaluate(config, workdir)
   assert again['steps'] == 2, again
 
 
 def test_a_time_limited_run_says_so_and_a_finished_one_is_not_retrained(
     tiny_mnist, tmp_path, capsys):
   workdir = str(tmp_path / 'w')
-  summary = dynamic.train_and_evaluate(
+  summary = vector_capsules.train_and_evaluate(
       tiny_config(tiny_mnist, max_train_seconds=1e-3), workdir)
   out = capsys.readouterr().out
   assert summary['stopped_by_time_limit'] and summary['steps'] < 12, summary
@@ -617,10 +618,10 @@ def test_a_time_limited_run_says_so_and_a_finished_one_is_not_retrained(
   assert f'Summary: {os.path.join(workdir, "summary.json")}' in out
   assert summary['conv_backend'] in out  # the header names the backend
   # The rerun trains on to the end, then a third run trains nothing.
-  summary = dynamic.train_and_evaluate(tiny_config(tiny_mnist), workdir)
+  summary = vector_capsules.train_and_evaluate(tiny_config(tiny_mnist), workdir)
   assert summary['steps'] == 12 and not summary['stopped_by_time_limit']
   assert 'has finished training' not in capsys.readouterr().out
-  dynamic.train_and_evaluate(tiny_config(tiny_mnist), workdir)
+  vector_capsules.train_and_evaluate(tiny_config(tiny_mnist), workdir)
   out = capsys.readouterr().out
   assert f'{workdir} has finished training (step 12)' in out, out
   assert 'Test accuracy ' in out and 'Stopped early' not in out

@@ -1,5 +1,6 @@
-"""The trainer of the dynamic-routing families: CapsNet, its baseline CNN and
-Su's two-digit models (``families``: 'capsnet', 'cnn', 'two_digit').
+"""The trainer of the vector-capsule models and their baselines: CapsNet, its
+baseline CNN and Su's two-digit models (``families``: 'capsnet', 'cnn',
+'two_digit').
 
 It makes their train and eval steps around the family's loss, the input
 pipeline on the device (``preprocess``) and the dataset of a run

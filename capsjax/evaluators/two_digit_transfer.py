@@ -3,8 +3,8 @@
 From Su Jianlin's 2018 post 揭开迷雾，来一顿美味的Capsule盛宴
 ("Lifting the fog: a Capsule feast").
 
-    config.evals.pairs = dict(type='two_digit_pairs', num_pairs=0)
-    config.evals.side_by_side = dict(type='two_digit_pairs',
+    config.evals.pairs = dict(type='two_digit_transfer', num_pairs=0)
+    config.evals.side_by_side = dict(type='two_digit_transfer',
                                      layout='side_by_side')
 
 A model trained on single MNIST digits is shown two different test digits
@@ -98,13 +98,13 @@ def check(config, *, num_pairs: int = 0, seed: int | None = None,
   if config.dataset != 'mnist':
     raise ValueError(f"Su's test is on MNIST digits; config.dataset is "
                      f'{config.dataset!r}.')
-  evaluators.check_int('two_digit_pairs', 'num_pairs', num_pairs, 0,
+  evaluators.check_int('two_digit_transfer', 'num_pairs', num_pairs, 0,
                       ' (0: all)')
   if not 0 <= confidence_threshold < 1:
     raise ValueError(f'confidence_threshold must be in [0, 1), got '
                      f'{confidence_threshold!r}.')
   if layout not in data_lib.PAIR_LAYOUTS:
-    raise ValueError(f'two_digit_pairs: layout must be one of '
+    raise ValueError(f'two_digit_transfer: layout must be one of '
                      f'{data_lib.PAIR_LAYOUTS}, got {layout!r}.')
 
 

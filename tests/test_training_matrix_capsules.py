@@ -20,8 +20,8 @@ from flax import nnx
 
 from capsjax import families
 from capsjax.training import checkpoints
-from capsjax.training import em
 from capsjax.training import loop
+from capsjax.training import matrix_capsules
 from capsjax.training import state as state_lib
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import matrix_capsnet_smallnorb
@@ -55,7 +55,7 @@ def _norb_config(norb_dir, **overrides):
 def test_smallnorb_pipeline_end_to_end_on_generated_release(tmp_path, norb_dir):
   """Reader -> 48x48 stereo -> crops -> matrix capsules -> summary."""
   config = _norb_config(norb_dir)
-  summary = em.train_and_evaluate(config, str(tmp_path / 'work'))
+  summary = matrix_capsules.train_and_evaluate(config, str(tmp_path / 'work'))
   assert summary['dataset'] == 'smallnorb'
   assert summary['steps'] == config.num_train_steps
   assert 0.0 <= summary['test']['accuracy'] <= 1.0
@@ -68,7 +68,7 @@ def test_smallnorb_pipeline_end_to_end_on_generated_release(tmp_path, norb_dir):
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, norb_dir):
   """A poisoned step stops the run naming the step; checkpoint 10 survives."""
   workdir = str(tmp_path / 'work')
-  good = em.train_and_evaluate(
+  good = matrix_capsules.train_and_evaluate(
       _norb_config(norb_dir, num_train_steps=10), workdir)
   assert good['steps'] == 10
   before = checkpoints.load_trained_model(workdir, which='latest')
@@ -77,7 +77,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, norb_dir)
   poisoned = _norb_config(norb_dir, num_train_steps=20,
                           weight_decay=float('nan'))
   with pytest.raises(loop.TrainingDiverged, match='non-finite at step 10'):
-    em.train_and_evaluate(poisoned, workdir)
+    matrix_capsules.train_and_evaluate(poisoned, workdir)
   checkpointer = checkpoints.Checkpointer(os.path.join(workdir, 'checkpoints'))
   assert checkpointer.latest_step() == 10  # nothing written after the poison
   checkpointer.close()
@@ -203,7 +203,7 @@ def test_l2_penalty_exempts_exactly_the_biases_and_betas():
   assert any('beta_a' in n for n in exempt)
   assert any('beta_u' in n for n in exempt)
   assert any('bias' in n for n in exempt)
-  assert float(em.l2_penalty(params)) == pytest.approx(decayed, rel=1e-5)
+  assert float(matrix_capsules.l2_penalty(params)) == pytest.approx(decayed, rel=1e-5)
 
 
 @pytest.mark.parametrize('loss', ['spread', 'cross_entropy', 'margin'])
@@ -217,13 +217,13 @@ def test_train_step_feeds_the_state_step_to_the_loss(norb_dir, loss):
   model = state_lib.create_model(config, seed=0)
   optimizer = state_lib.make_optimizer(config)
   graphdef, state = state_lib.init_train_state(model, optimizer)
-  steps = em.make_steps(config, optimizer)
+  steps = matrix_capsules.make_steps(config, optimizer)
   train_step = jax.jit(functools.partial(steps.train_step, graphdef))
-  data = em.load_data(config)
+  data = matrix_capsules.load_data(config)
   images = np.asarray(data.train.images[:4])
   labels = np.asarray(data.train.labels[:4], np.int32)
   key = jax.random.PRNGKey(3)
-  inputs = em.preprocess(config, jax.numpy.asarray(images), key)
+  inputs = matrix_capsules.preprocess(config, jax.numpy.asarray(images), key)
   activations = np.asarray(nnx.jit(lambda m, x, y: m(x, y, train=True)[
       'class_scores'])(model, inputs, labels))
   for step in (0, 60):

@@ -1,6 +1,6 @@
 """White-box FGSM and BIM attacks (Hinton et al. 2018, section 6).
 
-    config.evals.attacks = dict(type='attacks', epsilons=(0.05, 0.1, 0.2),
+    config.evals.attacks = dict(type='adversarial', epsilons=(0.05, 0.1, 0.2),
                                 attacks=('fgsm', 'bim'))
 
 The first ``num_examples`` (0: all) test images of the run's dataset, as the

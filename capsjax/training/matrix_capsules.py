@@ -1,5 +1,5 @@
-"""The trainer of the 'em' family: matrix capsules with EM routing (Hinton et
-al. 2018).
+"""The trainer of the matrix-capsule models (the 'em' family): matrix
+capsules with EM routing (Hinton et al. 2018).
 
 Loss: the family's class loss (``families.EMFamily``: the spread loss with
 its growing margin, or cross-entropy / margin loss for ablations) plus an
