@@ -1,7 +1,8 @@
 """Every convolution of the shipped models alone, on the CPU, three ways.
 
     pip install -e '.[bench,onednn]'
-    python -m benchmarks.conv_layers [BATCH] [ROUNDS]     # defaults: 128, 5
+    python -m benchmarks.conv_layers [BATCH] [ROUNDS] [DTYPE]
+    # defaults: 128, 5, float32; DTYPE bfloat16 times all three in bfloat16
 
 Each convolution runs as a train step needs it: the forward pass, the kernel
 gradient and, unless the input is the image, the input gradient, in one
@@ -25,6 +26,7 @@ import torch
 
 from benchmarks import timing
 from capsjax import votes as votes_lib
+from capsjax.conv import backend as conv_backend
 from capsjax.conv import dispatch
 from capsjax.conv import lowerings
 
@@ -55,15 +57,16 @@ def xla_impl(shape, kshape, stride: int, padding: str) -> str:
 
 
 def train_step_calls(batch: int, shape, kshape, stride: int, padding: str,
-                     rng: np.random.Generator):
-  """{lowering: call} for one convolution's forward pass and gradients."""
+                     rng: np.random.Generator, dtype: str = 'float32'):
+  """{lowering: call} for one convolution's forward pass and gradients, in
+  ``dtype`` ('float32' or 'bfloat16')."""
   image = shape[-1] == 1  # no input gradient needed
   x = rng.standard_normal((batch,) + shape, np.float32)
   k = rng.standard_normal(kshape, np.float32) * 0.05
   y_shape = jax.eval_shape(
       lambda x, k: lowerings._lax_conv(x, k, stride, padding), x, k).shape
   dy = rng.standard_normal(y_shape, np.float32)
-  xj, kj, dyj = map(jnp.asarray, (x, k, dy))
+  xj, kj, dyj = (jnp.asarray(a, dtype) for a in (x, k, dy))
   calls = {}
   impls = [xla_impl(shape, kshape, stride, padding), 'onednn']
   for impl in impls:
@@ -81,10 +84,12 @@ def train_step_calls(batch: int, shape, kshape, stride: int, padding: str,
         return y, vjp(dy)
     compiled = jax.jit(step)
     calls[impl] = lambda f=compiled: jax.block_until_ready(f(xj, kj, dyj))
-  xt = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()
+  torch_dtype = getattr(torch, dtype)
+  xt = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous().to(torch_dtype)
   xt.requires_grad_(not image)
-  kt = torch.from_numpy(k).permute(3, 2, 0, 1).contiguous().requires_grad_(True)
-  dyt = torch.from_numpy(dy).permute(0, 3, 1, 2).contiguous()
+  kt = torch.from_numpy(k).permute(3, 2, 0, 1).contiguous().to(
+      torch_dtype).requires_grad_(True)
+  dyt = torch.from_numpy(dy).permute(0, 3, 1, 2).contiguous().to(torch_dtype)
   pad = 'same' if padding == 'SAME' else 0
 
   def torch_step():
@@ -99,11 +104,16 @@ def main(argv: list[str]) -> None:
   print('host memory:', timing.retain_host_memory(), flush=True)
   batch = int(argv[1]) if len(argv) > 1 else 128
   rounds = int(argv[2]) if len(argv) > 2 else 5
+  dtype = argv[3] if len(argv) > 3 else 'float32'
+  if dtype not in ('float32', 'bfloat16'):
+    raise SystemExit(f'DTYPE must be float32 or bfloat16, got {dtype!r}')
   torch.set_num_threads(2)
   rng = np.random.default_rng(0)
-  print(f'batch {batch}, {rounds} rounds, ms per call (median)', flush=True)
+  print(f'batch {batch}, {rounds} rounds, {dtype}, ms per call (median); '
+        f'convolutions: {conv_backend()}', flush=True)
   for name, shape, kshape, stride, padding in CONVS:
-    impls, calls = train_step_calls(batch, shape, kshape, stride, padding, rng)
+    impls, calls = train_step_calls(batch, shape, kshape, stride, padding, rng,
+                                    dtype)
     times = timing.time_calls_alternately(calls, rounds)
     no_input_grad = ' (no input grad)' if shape[-1] == 1 else ''
     print(f'{name} {shape}->{kshape[-1]} s{stride} {padding}{no_input_grad}: '

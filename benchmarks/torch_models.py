@@ -7,9 +7,13 @@ capsjax model of the same name (same shapes, same FLOPs): it is what a
 PyTorch user would write, not a port of capsjax's code. Only
 ``experiments.benchmark`` imports this module, and only with
 ``--compare=torch``; torch is the optional extra ``pip install -e
-'.[bench]'``. The matrix-capsule reference covers the routing options the
-shipped EM configs use (the paper's activation, within-window E-step);
-other options raise rather than time a different model.
+'.[bench]'``. ``train_step_fn`` runs a reference in one of PyTorch's CPU
+modes (``TORCH_MODES``): eager or ``torch.compile``d forward and backward,
+float32 or under bfloat16 autocast (mixed precision: float32 parameters
+and Adam, the loss in float32). The matrix-capsule reference covers the
+routing options the shipped EM configs use (the paper's activation,
+within-window E-step); other options raise rather than time a different
+model.
 
 Shape legend: B batch, I input capsules, J (or O) output capsules, D
 dimensions.
@@ -352,6 +356,16 @@ def loss(outputs: dict[str, torch.Tensor], images: torch.Tensor,
   return _margin_loss(outputs['scores'], labels, 0.25).mean()
 
 
+# PyTorch's CPU modes, as (torch.compile the forward and backward pass,
+# bfloat16 autocast).
+TORCH_MODES: dict[str, tuple[bool, bool]] = {
+    'eager_float32': (False, False),
+    'compile_float32': (True, False),
+    'eager_bfloat16': (False, True),
+    'compile_bfloat16': (True, True),
+}
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     'capsnet': CapsNet,
     'baseline_cnn': BaselineCNN,
@@ -361,24 +375,40 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def _as_float32(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+  """The model's floating outputs in float32 (autocast leaves some in
+  bfloat16); the loss is then float32, as capsjax's mixed precision's."""
+  return {k: v.float() if v.is_floating_point() else v
+          for k, v in outputs.items()}
+
+
 def train_step_fn(model_name: str, options: dict, batch_size: int,
                   image_shape: Sequence[int], num_classes: int,
                   learning_rate: float, reconstruction_weight: float,
                   num_threads: int, seed: int = 0,
-                  weight_decay: float = 0.0) -> Callable[[], float]:
+                  weight_decay: float = 0.0,
+                  mode: str = 'eager_float32') -> Callable[[], float]:
   """A callable doing one full train step (forward, backward, Adam) on a
-  fixed random batch in float32 on the CPU; returns the loss."""
+  fixed random batch on the CPU in ``mode`` (``TORCH_MODES``); returns the
+  loss. With 'compile_*' the first call compiles (``torch.compile``'s
+  errors surface there)."""
   if model_name not in MODELS:
     raise ValueError(f'no PyTorch reference of {model_name!r}; references: '
                      f'{", ".join(sorted(MODELS))}.')
+  if mode not in TORCH_MODES:
+    raise ValueError(f'mode must be one of {", ".join(TORCH_MODES)}, got '
+                     f'{mode!r}.')
+  compiled, bfloat16 = TORCH_MODES[mode]
   torch.set_num_threads(num_threads)
   torch.manual_seed(seed)
   height, width, channels = image_shape
   if model_name in ('capsnet', 'baseline_cnn'):
     options = options | {'input_shape': (height, width, channels)}
   elif model_name == 'matrix_capsnet':
-    # The crop the model sees (smallNORB is stored at 48x48).
-    height, width, channels = options['input_shape']
+    # The crop the model sees (smallNORB is stored at 48x48); the registry
+    # name's default options have none: the images' shape.
+    height, width, channels = options.get('input_shape', image_shape)
+    options = options | {'input_shape': (height, width, channels)}
   model = MODELS[model_name](**options)
   # The L2 penalty of capsjax's EM step: matrices and kernels, not biases.
   penalized = [p for p in model.parameters() if p.ndim > 1]
@@ -388,14 +418,23 @@ def train_step_fn(model_name: str, options: dict, batch_size: int,
   labels = torch.randint(0, num_classes, (batch_size,))
   labels_images = images.permute(0, 2, 3, 1)  # reconstruction targets, HWC
 
-  def step() -> float:
-    optimizer.zero_grad(set_to_none=True)
-    value = loss(model(images, labels), labels_images, labels,
+  def loss_of(images, labels, labels_images):
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bfloat16):
+      outputs = model(images, labels)
+    value = loss(_as_float32(outputs), labels_images, labels,
                  reconstruction_weight)
     if weight_decay:
       value = value + weight_decay * sum((p * p).sum() for p in penalized)
+    return value
+
+  if compiled:
+    loss_of = torch.compile(loss_of)
+
+  def step() -> float:
+    optimizer.zero_grad(set_to_none=True)
+    value = loss_of(images, labels, labels_images)
     value.backward()
     optimizer.step()
-    return float(value)
+    return float(value.detach())
 
   return step

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from capsjax import conv as conv_lib
 from capsjax import layers
 from capsjax import routing
 from capsjax import votes as votes_lib
@@ -97,8 +98,12 @@ class _MLP(nnx.Module):
                rngs: nnx.Rngs):
     sizes = (in_features,) + tuple(widths)
     bias = nnx.initializers.constant(bias_init)
+    # conv_lib.dot_general: a large bfloat16 layer (the baseline CNN's first
+    # dense layer) runs through oneDNN's matmul, XLA:CPU's being slow there.
     self.layers = nnx.List([nnx.Linear(a, b, kernel_init=kernel_init,
-                                       bias_init=bias, rngs=rngs)
+                                       bias_init=bias,
+                                       dot_general=conv_lib.dot_general,
+                                       rngs=rngs)
                             for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
 
   def __call__(self, x: jax.Array) -> jax.Array:

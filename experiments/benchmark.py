@@ -14,11 +14,12 @@ options, default training config of its family) or a config reference
 ``FILE[:VARIANT]`` resolved to ``experiments/configs/FILE.py``
 ``get_config(VARIANT)`` (``capsnet_mnist:smoke``, ``matrix_capsnet_smallnorb``).
 
-Model rows time the real jitted train step (``training.dynamic`` /
-``training.em.make_steps``, state donated, as ``training.fit`` runs it) and eval
-step on random uint8 images: images/s from the median step time over
-``--steps`` timed calls after ``--warmup`` untimed ones, every call
-synchronised with ``jax.block_until_ready``. ``compile_s`` is the trace +
+Model rows time the real jitted train step (``make_steps`` of
+``training.vector_capsules`` / ``training.matrix_capsules``, state donated,
+as ``training.fit`` runs it) and eval step on random uint8 images:
+images/s from the median step time over ``--steps`` timed calls after
+``--warmup`` untimed ones, every call synchronised with
+``jax.block_until_ready``. ``compile_s`` is the trace +
 lower + compile time (the first call's extra cost). Memory:
 ``peak_memory_bytes`` is the device's ``peak_bytes_in_use`` where the device
 reports it (GPU) and otherwise XLA's compiled memory analysis of the train
@@ -38,6 +39,18 @@ on a CPU a float32 matmul and a large elementwise copy are timed at startup
 ``--dtype=bfloat16`` measures a mixed-precision step: float32 master
 parameters and optimiser, bfloat16 copies of the parameters and images for
 the forward and backward pass (routing keeps its statistics in float32).
+
+``--compare=torch`` times the model's PyTorch reference
+(``benchmarks/torch_models.py``) in PyTorch's CPU modes (``--torch_modes``:
+eager and ``torch.compile``, float32 and bfloat16 autocast) against capsjax
+in its compute dtypes (``--compare_dtypes``), in ``--rounds`` rounds that
+alternate over every mode so that each sees the same machine; each mode's
+median round is reported. The row leads with capsjax's best mode against
+PyTorch's best (``best_ratio``), then every capsjax mode against every
+PyTorch mode (``mode_ratios``). A PyTorch mode that fails (``torch.compile``
+needs a working C++ toolchain, and may not support a model) is reported
+failed, with the reason, and left out of the ratios. ``--model`` takes
+several models, comma-separated, for one table of them all.
 """
 
 from __future__ import annotations
@@ -79,7 +92,8 @@ from experiments.configs import matrix_capsnet_mnist
 _MODEL = flags.DEFINE_string(
     'model', 'capsnet_mnist:smoke',
     'Registry name (capsnet, baseline_cnn, matrix_capsnet, two_digit_baseline, '
-    'two_digit_capsnet) or config FILE[:VARIANT] from experiments/configs.')
+    'two_digit_capsnet) or config FILE[:VARIANT] from experiments/configs; '
+    'several, comma-separated, for a row each.')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 0, 'Batch size (0: the config\'s; 32 for --routing_only).')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps (median reported).')
@@ -121,7 +135,18 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Seed of parameters and inputs.')
 _COMPARE = flags.DEFINE_enum(
     'compare', '', ['', 'torch'], "'torch': also time the PyTorch reference "
     'of the model (benchmarks/torch_models.py; pip install -e \'.[bench]\') '
-    'in the same process, alternating with capsjax, and report the ratio.')
+    'in the same process, in its modes (--torch_modes), alternating with '
+    'capsjax in its dtypes (--compare_dtypes), and report the ratios.')
+# PyTorch's CPU modes (benchmarks/torch_models.py TORCH_MODES), named here
+# so that the flags need no torch.
+TORCH_MODES = ('eager_float32', 'compile_float32', 'eager_bfloat16',
+               'compile_bfloat16')
+_TORCH_MODES = flags.DEFINE_list(
+    'torch_modes', list(TORCH_MODES), 'With --compare=torch: the PyTorch '
+    'modes timed (eager or torch.compile, float32 or bfloat16 autocast).')
+_COMPARE_DTYPES = flags.DEFINE_list(
+    'compare_dtypes', ['float32', 'bfloat16'], 'With --compare=torch: the '
+    'capsjax compute dtypes timed against them (--dtype is always one).')
 _ROUNDS = flags.DEFINE_integer(
     'rounds', 3, 'With --compare: alternating rounds of --steps timed steps '
     'each (the median round of each side is reported).', lower_bound=1)
@@ -155,7 +180,7 @@ def resolve_config(spec: str) -> ml_collections.ConfigDict:
   """A training config from a registry name or ``FILE[:VARIANT]``."""
   if spec in models.list_models():
     config = common.base_config()
-    if models.MODEL_FAMILY[spec] == 'em':
+    if models.model_class(spec).FAMILY == 'em':
       config = matrix_capsnet_mnist.em_defaults(config)
     config.model = spec
     config.reconstruction_weight = 0.0005  # only read by models with a decoder
@@ -319,10 +344,11 @@ def environment() -> dict[str, Any]:
   }
 
 
-def torch_train_step(config: ml_collections.ConfigDict, seed: int
-                     ) -> Callable[[], Any]:
-  """One train step of the model's PyTorch reference on the CPU threads
-  this process may use (benchmarks/torch_models.py)."""
+def torch_train_step(config: ml_collections.ConfigDict, seed: int,
+                     mode: str = 'eager_float32') -> Callable[[], Any]:
+  """One train step of the model's PyTorch reference in ``mode``
+  (``TORCH_MODES``) on the CPU threads this process may use
+  (benchmarks/torch_models.py)."""
   try:
     from benchmarks import torch_models
   except ImportError as e:
@@ -334,19 +360,145 @@ def torch_train_step(config: ml_collections.ConfigDict, seed: int
       image_shape(config), num_classes(config), config.learning_rate,
       config.get('reconstruction_weight', 0.0),
       num_threads=len(os.sched_getaffinity(0)), seed=seed,
-      weight_decay=config.get('weight_decay', 0.0))
+      weight_decay=config.get('weight_decay', 0.0), mode=mode)
+
+
+def check_modes(torch_modes, compare_dtypes) -> None:
+  """Raises ValueError for a PyTorch mode or capsjax dtype not known."""
+  for mode in torch_modes:
+    if mode not in TORCH_MODES:
+      raise ValueError(f'--torch_modes: {mode!r} is not one of '
+                       f'{", ".join(TORCH_MODES)}.')
+  for dtype in compare_dtypes:
+    if dtype not in state_lib.COMPUTE_DTYPES:
+      raise ValueError(f'--compare_dtypes: {dtype!r} is not one of '
+                       f'{", ".join(state_lib.COMPUTE_DTYPES)}.')
+
+
+def _train_caller(compiled, state, images, labels, data_key):
+  """(a call doing one train step of ``compiled`` per call, carrying the
+  donated state; a holder whose 'state' is the latest state)."""
+  holder = {'state': state, 'count': 0}
+
+  def call():
+    key = jax.random.fold_in(data_key, holder['count'])
+    holder['count'] += 1
+    holder['state'], metrics = compiled(holder['state'], images, labels, key)
+    return holder['state'], metrics
+
+  return call, holder
+
+
+def _failure(error: BaseException) -> str:
+  """A failed mode's reason, in one line."""
+  text = ' '.join(str(error).split())
+  return f'failed: {type(error).__name__}: {text[:300]}'
+
+
+def time_modes(calls: dict[str, Callable[[], Any]], *, rounds: int,
+               steps: int, warmup: int, batch: int,
+               guarded: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+  """Each mode's train step timed in ``rounds`` rounds that alternate over
+  the modes (each sees the same machine), ``steps`` timed calls a round
+  after ``warmup`` untimed ones (at least one: compilation).
+
+  Args:
+    calls: mode name -> a call doing one train step.
+    rounds, steps, warmup: as the flags.
+    batch: images per step.
+    guarded: the modes whose failure (any exception: ``torch.compile``
+      raises many kinds) is reported instead of raised.
+  Returns:
+    mode -> {'status': 'ok' or 'failed: ...', 'step_s_rounds', 'step_s'
+    (the median round), 'images_per_s'}; a failed mode's times are None.
+  """
+  results = {name: {'status': 'ok', 'step_s_rounds': [], 'step_s': None,
+                    'images_per_s': None} for name in calls}
+
+  def attempt(name, how_many, warm):
+    if results[name]['status'] != 'ok':
+      return None
+    try:
+      return _median_seconds(calls[name], warm, how_many)
+    except Exception as error:  # pylint: disable=broad-exception-caught
+      if name not in guarded:
+        raise
+      results[name]['status'] = _failure(error)
+      return None
+
+  for name in calls:
+    attempt(name, 1, max(warmup, 1) - 1)
+  for _ in range(rounds):
+    for name in calls:
+      seconds = attempt(name, steps, 0)
+      if seconds is not None:
+        results[name]['step_s_rounds'].append(seconds)
+  for result in results.values():
+    if result['status'] == 'ok':
+      result['step_s'] = statistics.median(result['step_s_rounds'])
+      result['images_per_s'] = batch / result['step_s']
+  return results
+
+
+def mode_ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  """capsjax's best mode against PyTorch's best, and each against each.
+
+  Args:
+    results: ``time_modes``'s, capsjax modes named 'capsjax_*' and
+      PyTorch's 'torch_*'.
+  Returns:
+    {'best_capsjax_mode', 'best_torch_mode' (None where every PyTorch mode
+    failed), 'best_ratio' (capsjax's best images/s over PyTorch's; None
+    likewise), 'mode_ratios': {capsjax mode: {PyTorch mode: ratio}} over the
+    modes that ran}.
+  """
+  ran = {name: r['images_per_s'] for name, r in results.items()
+         if r['status'] == 'ok'}
+  ours = {n: v for n, v in ran.items() if n.startswith('capsjax_')}
+  theirs = {n: v for n, v in ran.items() if n.startswith('torch_')}
+  best_ours = max(ours, key=ours.get) if ours else None
+  best_theirs = max(theirs, key=theirs.get) if theirs else None
+  return {
+      'best_capsjax_mode': best_ours,
+      'best_torch_mode': best_theirs,
+      'best_ratio': (ours[best_ours] / theirs[best_theirs]
+                     if best_ours and best_theirs else None),
+      'mode_ratios': {o: {t: ours[o] / theirs[t] for t in theirs}
+                      for o in ours},
+  }
+
+
+def _compile_jax_mode(config, optimizer, dtype: str, seed: int, mesh, images,
+                      labels, data_key) -> tuple[Callable[[], Any], float]:
+  """(a train-step call in compute ``dtype`` on its own copy of the state,
+  its compile time in seconds)."""
+  graphdef, state = state_lib.init_train_state(
+      state_lib.create_model(config, seed=seed), optimizer)
+  state = jax.device_put(state, sharding.replicated(mesh))
+  train = jax.jit(functools.partial(
+      make_steps(config, optimizer, dtype).train_step, graphdef),
+                  donate_argnums=0)
+  compiled, compile_s = _compile(train, state, images, labels, data_key)
+  return _train_caller(compiled, state, images, labels, data_key)[0], compile_s
 
 
 def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                     steps: int = 5, warmup: int = 1, dtype: str = 'float32',
                     compile_only: bool = False, seed: int = 0,
                     num_devices: int = 1, compare: str = '',
-                    rounds: int = 3) -> dict[str, Any]:
+                    rounds: int = 3,
+                    torch_modes: tuple[str, ...] = TORCH_MODES,
+                    compare_dtypes: tuple[str, ...] = ('float32', 'bfloat16')
+                    ) -> dict[str, Any]:
   """One row: train/eval throughput, compile time and memory of a config,
   the batch split over the first ``num_devices`` local devices. With
   ``compare='torch'`` the train step is timed in ``rounds`` rounds
-  alternating with the PyTorch reference's, and the row gets its images/s
-  and the ratio capsjax / PyTorch."""
+  alternating over capsjax in ``dtype`` and ``compare_dtypes`` and the
+  PyTorch reference in ``torch_modes`` (``time_modes``), and the row gets
+  each mode's images/s ('modes'), capsjax's best against PyTorch's best and
+  each against each (``mode_ratios``); 'torch_train_images_per_s' and
+  'train_ratio_vs_torch' stay PyTorch's eager float32 and capsjax in
+  ``dtype`` against it, where that mode ran."""
   if not 1 <= num_devices <= jax.local_device_count():
     raise ValueError(
         f'num_devices must be 1 to {jax.local_device_count()} (the local '
@@ -405,33 +557,39 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
       'eval_images_per_s': None,
   }
   if not compile_only:
-    step_count = [0]
-
-    def train_call():
-      nonlocal state
-      key = jax.random.fold_in(data_key, step_count[0])
-      step_count[0] += 1
-      state, metrics = train_compiled(state, images, labels, key)
-      return state, metrics
-
+    train_call, holder = _train_caller(train_compiled, state, images, labels,
+                                       data_key)
     if compare == 'torch':
-      torch_step = torch_train_step(config, seed)
-      _median_seconds(torch_step, warmup, 1)
-      _median_seconds(train_call, warmup, 1)
-      jax_rounds, torch_rounds = [], []
-      for _ in range(rounds):  # alternating: both see the same machine
-        jax_rounds.append(_median_seconds(train_call, 0, steps))
-        torch_rounds.append(_median_seconds(torch_step, 0, steps))
-      train_s = statistics.median(jax_rounds)
-      torch_s = statistics.median(torch_rounds)
-      row.update(compare='torch', rounds=rounds,
-                 train_step_s_rounds=jax_rounds,
-                 torch_train_step_s_rounds=torch_rounds,
-                 torch_train_step_s=torch_s,
-                 torch_train_images_per_s=batch / torch_s,
-                 train_ratio_vs_torch=torch_s / train_s)
+      check_modes(torch_modes, compare_dtypes)
+      calls = {f'capsjax_{dtype}': train_call}
+      compile_seconds = {f'capsjax_{dtype}': compile_s}
+      for other in dict.fromkeys(compare_dtypes):
+        if other != dtype:
+          calls[f'capsjax_{other}'], compile_seconds[f'capsjax_{other}'] = (
+              _compile_jax_mode(config, optimizer, other, seed, mesh, images,
+                                labels, data_key))
+      for mode in dict.fromkeys(torch_modes):
+        calls[f'torch_{mode}'] = torch_train_step(config, seed, mode)
+      results = time_modes(calls, rounds=rounds, steps=steps, warmup=warmup,
+                           batch=batch,
+                           guarded=tuple(n for n in calls
+                                         if n.startswith('torch_')))
+      for name, seconds in compile_seconds.items():
+        results[name]['compile_s'] = seconds
+      ratios = mode_ratios(results)
+      train_s = results[f'capsjax_{dtype}']['step_s']
+      row.update(compare='torch', rounds=rounds, **ratios, modes=results,
+                 train_step_s_rounds=results[f'capsjax_{dtype}'][
+                     'step_s_rounds'])
+      eager = results.get('torch_eager_float32', {})
+      if eager.get('status') == 'ok':
+        row.update(torch_train_step_s_rounds=eager['step_s_rounds'],
+                   torch_train_step_s=eager['step_s'],
+                   torch_train_images_per_s=eager['images_per_s'],
+                   train_ratio_vs_torch=eager['step_s'] / train_s)
     else:
       train_s = _median_seconds(train_call, warmup, steps)
+    state = holder['state']
     eval_s = _median_seconds(
         lambda: eval_compiled(state.params, state.model_state, images, labels,
                               mask), warmup, steps)
@@ -584,6 +742,53 @@ def _gib(value) -> str:
   return '-' if value is None else f'{value / 2**30:.2f}'
 
 
+def _mode_name(mode: str) -> str:
+  """'torch_compile_bfloat16' -> 'PyTorch compile bfloat16'."""
+  return mode.replace('capsjax_', 'capsjax ').replace(
+      'torch_', 'PyTorch ').replace('_', ' ')
+
+
+def _mode_cell(result: dict[str, Any] | None) -> str:
+  if result is None:
+    return '-'
+  if result['status'] != 'ok':
+    return result['status'].split(':')[0] + ' (see JSON)'
+  return f"{result['images_per_s']:.1f}"
+
+
+def compare_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown of --compare=torch rows: capsjax's best mode against
+  PyTorch's best first, every mode's train images/s, then each capsjax mode
+  against each PyTorch mode."""
+  capsjax_modes = list(dict.fromkeys(
+      m for r in rows for m in r['modes'] if m.startswith('capsjax_')))
+  torch_modes = list(dict.fromkeys(
+      m for r in rows for m in r['modes'] if m.startswith('torch_')))
+  modes = capsjax_modes + torch_modes
+  lines = [
+      '| model | batch | capsjax best / PyTorch best | capsjax best | '
+      'PyTorch best | ' + ' | '.join(f'{_mode_name(m)} img/s' for m in modes)
+      + ' |', '|---|---|---|---|---|' + '---|' * len(modes)]
+  for r in rows:
+    lines.append(
+        f"| {r.get('label', r['model'])} | {r['batch_size']} | "
+        f"{_fmt(r['best_ratio'], '.2f')} | "
+        f"{_mode_name(r['best_capsjax_mode'] or '-')} | "
+        f"{_mode_name(r['best_torch_mode'] or '-')} | "
+        + ' | '.join(_mode_cell(r['modes'].get(m)) for m in modes) + ' |')
+  lines += ['', '| model | batch | capsjax mode | ' + ' | '.join(
+      f'/ {_mode_name(m)}' for m in torch_modes) + ' |',
+            '|---|---|---|' + '---|' * len(torch_modes)]
+  for r in rows:
+    for ours, ratios in r['mode_ratios'].items():
+      lines.append(
+          f"| {r.get('label', r['model'])} | {r['batch_size']} | "
+          f"{_mode_name(ours)} | "
+          + ' | '.join(_fmt(ratios.get(m), '.2f') for m in torch_modes)
+          + ' |')
+  return '\n'.join(lines)
+
+
 def markdown_tables(rows: list[dict[str, Any]]) -> str:
   """Markdown tables of model rows and routing rows."""
   lines = []
@@ -608,13 +813,7 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
           f" | {_gib(r['peak_rss_bytes'])} |")
   compared = [r for r in model_rows if r.get('compare') == 'torch']
   if compared:
-    lines += ['', '| model | batch | capsjax train img/s | PyTorch train img/s '
-              '| capsjax / PyTorch |', '|---|---|---|---|---|']
-    for r in compared:
-      lines.append(
-          f"| {r.get('label', r['model'])} | {r['batch_size']} | "
-          f"{r['train_images_per_s']:.1f} | {r['torch_train_images_per_s']:.1f}"
-          f" | {r['train_ratio_vs_torch']:.2f} |")
+    lines += ['', compare_table(compared)]
   if routing_rows:
     if lines:
       lines.append('')
@@ -665,8 +864,11 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
         image_size: int = 0, compile_only: bool = False,
         peak_gflops: float = 0.0, bandwidth_gbs: float = 0.0, seed: int = 0,
         num_devices: int = 1, compare: str = '', rounds: int = 3,
+        torch_modes: tuple[str, ...] = TORCH_MODES,
+        compare_dtypes: tuple[str, ...] = ('float32', 'bfloat16'),
         log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-  """All rows of one invocation (the flags as keyword arguments)."""
+  """All rows of one invocation (the flags as keyword arguments; ``model``
+  one or several, comma-separated)."""
   sweep_key, values = parse_sweep(sweep)
   rows = []
   if routing_only:
@@ -693,32 +895,58 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
               f"{r['measured_s'] * 1e3:.3g} ms ({r['fraction_of_floor']:.3f})")
         rows += new
     return rows
-  for value in values:
-    setting = {'batch_size': batch_size, 'image_size': image_size,
-               'options': dict(options or {})}
-    devices = value if sweep_key == 'num_devices' else num_devices
-    if sweep_key in ('batch_size', 'image_size'):
-      setting[sweep_key] = value
-    elif sweep_key and sweep_key != 'num_devices':
-      setting['options'][sweep_key] = value
-    config = configure(model, **setting)
-    row = benchmark_model(config, name=model, steps=steps, warmup=warmup,
-                          dtype=dtype, compile_only=compile_only, seed=seed,
-                          num_devices=devices, compare=compare, rounds=rounds)
-    row['label'] = ' '.join(
-        [model] + [f'{k}={v}' for k, v in (options or {}).items()]
-        + ([f'{sweep_key}={value}'] if sweep_key else []))
-    log(f"{row['label']} batch {row['batch_size']} {dtype}: "
-        f"train {_fmt(row['train_images_per_s'], '.1f')} img/s, eval "
-        f"{_fmt(row['eval_images_per_s'], '.1f')} img/s, compile "
-        f"{row['compile_s']:.1f}+{row['eval_compile_s']:.1f} s, peak memory "
-        f"{_gib(row['peak_memory_bytes'])} GiB ({row['peak_memory_source']}), "
-        f"peak RSS {_gib(row['peak_rss_bytes'])} GiB")
-    if compare:
-      log(f"  PyTorch train {row['torch_train_images_per_s']:.1f} img/s: "
-          f"capsjax / PyTorch = {row['train_ratio_vs_torch']:.2f}")
-    rows.append(row)
+  if compare:
+    check_modes(torch_modes, compare_dtypes)
+  for name in [m.strip() for m in model.split(',') if m.strip()]:
+    for value in values:
+      rows.append(_model_row(
+          name, sweep_key, value, batch_size=batch_size, steps=steps,
+          warmup=warmup, dtype=dtype, options=options, image_size=image_size,
+          compile_only=compile_only, seed=seed, num_devices=num_devices,
+          compare=compare, rounds=rounds, torch_modes=torch_modes,
+          compare_dtypes=compare_dtypes, log=log))
   return rows
+
+
+def _model_row(model: str, sweep_key: str, value, *, batch_size: int,
+               steps: int, warmup: int, dtype: str,
+               options: dict[str, Any] | None, image_size: int,
+               compile_only: bool, seed: int, num_devices: int, compare: str,
+               rounds: int, torch_modes: tuple[str, ...],
+               compare_dtypes: tuple[str, ...],
+               log: Callable[[str], None]) -> dict[str, Any]:
+  """One model row of ``run`` (``value`` the sweep's), logged."""
+  setting = {'batch_size': batch_size, 'image_size': image_size,
+             'options': dict(options or {})}
+  devices = value if sweep_key == 'num_devices' else num_devices
+  if sweep_key in ('batch_size', 'image_size'):
+    setting[sweep_key] = value
+  elif sweep_key and sweep_key != 'num_devices':
+    setting['options'][sweep_key] = value
+  config = configure(model, **setting)
+  row = benchmark_model(config, name=model, steps=steps, warmup=warmup,
+                        dtype=dtype, compile_only=compile_only, seed=seed,
+                        num_devices=devices, compare=compare, rounds=rounds,
+                        torch_modes=torch_modes,
+                        compare_dtypes=compare_dtypes)
+  row['label'] = ' '.join(
+      [model] + [f'{k}={v}' for k, v in (options or {}).items()]
+      + ([f'{sweep_key}={value}'] if sweep_key else []))
+  log(f"{row['label']} batch {row['batch_size']} {dtype}: "
+      f"train {_fmt(row['train_images_per_s'], '.1f')} img/s, eval "
+      f"{_fmt(row['eval_images_per_s'], '.1f')} img/s, compile "
+      f"{row['compile_s']:.1f}+{row['eval_compile_s']:.1f} s, peak memory "
+      f"{_gib(row['peak_memory_bytes'])} GiB ({row['peak_memory_source']}), "
+      f"peak RSS {_gib(row['peak_rss_bytes'])} GiB")
+  if row.get('compare') == 'torch':
+    log(f"  capsjax best ({_mode_name(row['best_capsjax_mode'])}) / PyTorch "
+        f"best ({_mode_name(row['best_torch_mode'] or '-')}) = "
+        f"{_fmt(row['best_ratio'], '.2f')}")
+    for mode, result in row['modes'].items():
+      log(f"  {_mode_name(mode)}: "
+          + (f"{result['images_per_s']:.1f} img/s"
+             if result['status'] == 'ok' else result['status']))
+  return row
 
 
 def write_outputs(rows: list[dict[str, Any]], output: str, markdown: str
@@ -746,7 +974,8 @@ def benchmark() -> None:
              peak_gflops=_PEAK_GFLOPS.value,
              bandwidth_gbs=_BANDWIDTH_GBS.value, seed=_SEED.value,
              num_devices=_NUM_DEVICES.value, compare=_COMPARE.value,
-             rounds=_ROUNDS.value)
+             rounds=_ROUNDS.value, torch_modes=tuple(_TORCH_MODES.value),
+             compare_dtypes=tuple(_COMPARE_DTYPES.value))
   print(write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
 
 

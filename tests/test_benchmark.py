@@ -242,3 +242,117 @@ def test_em_counts_match_xla_loosely(num_iterations):
                                      backward=is_backward).flops
     ratio = _xla_flops(fn, votes, activations) / analytic
     assert 0.5 <= ratio <= 3.0, (is_backward, ratio)
+
+
+# ----------------------------------------------------------------------------
+# --compare=torch: PyTorch's modes against capsjax's.
+
+
+def test_time_modes_alternates_and_reports_a_failed_mode():
+  order = []
+
+  def call(name, fail=False):
+    def step():
+      order.append(name)
+      if fail:
+        raise RuntimeError('no C++ compiler\nfor inductor')
+      return 0.0
+    return step
+
+  results = benchmark.time_modes(
+      {'capsjax_float32': call('a'), 'torch_eager_float32': call('b'),
+       'torch_compile_float32': call('c', fail=True)},
+      rounds=2, steps=2, warmup=1, batch=4,
+      guarded=('torch_eager_float32', 'torch_compile_float32'))
+  # One warm-up call each, then rounds alternating over the modes that run.
+  assert order == ['a', 'b', 'c'] + ['a', 'a', 'b', 'b'] * 2
+  failed = results['torch_compile_float32']
+  assert failed['status'] == (
+      'failed: RuntimeError: no C++ compiler for inductor')
+  assert failed['images_per_s'] is None and failed['step_s_rounds'] == []
+  for name in ('capsjax_float32', 'torch_eager_float32'):
+    assert results[name]['status'] == 'ok'
+    assert len(results[name]['step_s_rounds']) == 2
+    _positive_finite(results[name], ('step_s', 'images_per_s'))
+  # An unguarded mode's failure is raised.
+  with pytest.raises(RuntimeError, match='no C'):
+    benchmark.time_modes({'capsjax_float32': call('x', fail=True)}, rounds=1,
+                         steps=1, warmup=1, batch=4)
+
+
+def test_mode_ratios_best_first_then_each_against_each():
+  def ok(ips):
+    return {'status': 'ok', 'images_per_s': ips}
+
+  ratios = benchmark.mode_ratios({
+      'capsjax_float32': ok(100.0), 'capsjax_bfloat16': ok(300.0),
+      'torch_eager_float32': ok(50.0), 'torch_compile_bfloat16': ok(200.0),
+      'torch_compile_float32': {'status': 'failed: x', 'images_per_s': None}})
+  assert ratios['best_capsjax_mode'] == 'capsjax_bfloat16'
+  assert ratios['best_torch_mode'] == 'torch_compile_bfloat16'
+  assert ratios['best_ratio'] == 1.5
+  assert ratios['mode_ratios'] == {
+      'capsjax_float32': {'torch_eager_float32': 2.0,
+                          'torch_compile_bfloat16': 0.5},
+      'capsjax_bfloat16': {'torch_eager_float32': 6.0,
+                           'torch_compile_bfloat16': 1.5}}
+  none = benchmark.mode_ratios({'capsjax_float32': ok(1.0),
+                                'torch_eager_float32': {'status': 'failed'}})
+  assert none['best_torch_mode'] is None and none['best_ratio'] is None
+  with pytest.raises(ValueError, match='--torch_modes'):
+    benchmark.check_modes(['eager_float16'], ['float32'])
+  with pytest.raises(ValueError, match='--compare_dtypes'):
+    benchmark.check_modes(['eager_float32'], ['float16'])
+
+
+def test_compare_torch_rows_with_every_mode(monkeypatch):
+  """A tiny CapsNet against its PyTorch reference in eager float32 and
+  bfloat16 autocast (the real reference), and a torch.compile mode made to
+  fail (compiling is slow): the row leads with the best ratio, reports
+  every mode, and the failed one with its reason."""
+  pytest.importorskip('torch')
+  real = benchmark.torch_train_step
+
+  def torch_step(config, seed, mode='eager_float32'):
+    if mode.startswith('compile'):
+      def fails():
+        raise RuntimeError('inductor unavailable here')
+      return fails
+    return real(config, seed, mode)
+
+  monkeypatch.setattr(benchmark, 'torch_train_step', torch_step)
+  options = {'conv1_channels': 8, 'primary_types': 2,
+             'decoder_widths': (16, 16)}
+  rows = benchmark.run(
+      model='capsnet', batch_size=4, steps=1, warmup=1, options=options,
+      compare='torch', rounds=2, compare_dtypes=('float32', 'bfloat16'),
+      torch_modes=('eager_float32', 'eager_bfloat16', 'compile_bfloat16'),
+      log=lambda _: None)
+  (row,) = rows
+  _positive_finite(row, MODEL_KEYS[3:5] + ('best_ratio',))
+  assert set(row['modes']) == {
+      'capsjax_float32', 'capsjax_bfloat16', 'torch_eager_float32',
+      'torch_eager_bfloat16', 'torch_compile_bfloat16'}
+  for name, result in row['modes'].items():
+    if name == 'torch_compile_bfloat16':
+      assert result['status'] == (
+          'failed: RuntimeError: inductor unavailable here')
+      continue
+    assert result['status'] == 'ok', name
+    assert len(result['step_s_rounds']) == 2
+    _positive_finite(result, ('step_s', 'images_per_s'))
+  for name in ('capsjax_float32', 'capsjax_bfloat16'):
+    _positive_finite(row['modes'][name], ('compile_s',))
+  assert row['best_capsjax_mode'] in ('capsjax_float32', 'capsjax_bfloat16')
+  assert row['best_torch_mode'] in ('torch_eager_float32',
+                                    'torch_eager_bfloat16')
+  assert set(row['mode_ratios']['capsjax_bfloat16']) == {
+      'torch_eager_float32', 'torch_eager_bfloat16'}
+  # The eager float32 fields of earlier rows stay.
+  _positive_finite(row, ('torch_train_images_per_s', 'train_ratio_vs_torch'))
+  assert 'bfloat16' in row['conv_backend']
+  table = benchmark.markdown_tables(rows)
+  assert '| capsjax best / PyTorch best |' in table
+  assert 'PyTorch compile bfloat16 img/s' in table
+  assert 'failed (see JSON)' in table
+  json.dumps(rows)  # the JSON output holds every field

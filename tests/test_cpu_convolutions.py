@@ -48,6 +48,9 @@ print(json.dumps({
         (64, 1, 26 * 26, 24 * 24), (64, 1, 12 * 12, 10 * 10),
         (1, 1, 28 * 28, 20 * 20), (256, 1, 32 * 32, 28 * 28),
         (32, 2, 20 * 20, 6 * 6), (256, 2, 20 * 20, 6 * 6))],
+    # oneDNN in bfloat16: the PrimaryCaps too (XLA's bfloat16 is slow).
+    'onednn_bf16': c.cpu_conv_impl(256, 2, 20 * 20, 6 * 6, onednn=True,
+                                   bfloat16=True),
     'devices': __import__('jax').device_count()}))
 '''
 
@@ -91,6 +94,7 @@ def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
   # With oneDNN: its convolution, except PrimaryCaps' (strided taps above),
   # which keeps XLA's forward and kernel gradient.
   assert result['onednn'] == ['onednn'] * 5 + ['onednn_input_grad']
+  assert result['onednn_bf16'] == 'onednn'
 
 
 @needs_the_flag

@@ -111,6 +111,17 @@ MUTATIONS = (
         '                                  step=0)[0])',
         ('tests/test_training_matrix_capsules.py::'
          'test_train_step_feeds_the_state_step_to_the_loss',)),
+    Mutation(
+        'two_digit_loss_weights_negatives_fully', 'capsjax/families.py',
+        '                              negative_weight=0.25)',
+        '                              negative_weight=1.0)',
+        ('tests/test_adversarial.py::test_attack_losses',)),
+    Mutation(
+        'cnn_multi_label_loss_averaged', 'capsjax/families.py',
+        '    return jnp.sum(optax.sigmoid_binary_cross_entropy(scores, targets),',
+        '    return jnp.mean(optax.sigmoid_binary_cross_entropy(scores, targets),',
+        ('tests/test_multimnist_train.py::'
+         'test_baseline_sigmoid_loss_matches_numpy',)),
     # Resume.
     Mutation(
         'resume_from_scratch', 'capsjax/training/loop.py',
@@ -130,6 +141,7 @@ CI_SUBSET = (
     'shift_the_wrong_way',
     'dynamic_step_drops_reconstruction',
     'em_step_margin_ignores_the_step',
+    'two_digit_loss_weights_negatives_fully',
     'resume_from_scratch',
     'skip_e_step',
 )

@@ -4,14 +4,17 @@
   narrow, taps, space-to-depth, direct) with their custom gradients;
 - ``dispatch``: which lowering a CPU convolution takes, and XLA:CPU's
   YNNPACK setting (``prefer_eigen_convolutions``);
-- ``onednn``: oneDNN's convolutions through XLA's FFI (the ``onednn``
-  extra), built from ``csrc/`` on first use.
+- ``onednn``: oneDNN's convolutions and matrix product through XLA's FFI
+  (the ``onednn`` extra), built from ``csrc/`` on first use;
+- ``products``: ``dot_general``, which sends large bfloat16 dense products
+  to oneDNN (for dense layers' ``dot_general``).
 The capsule layers (``capsjax.layers``) only call ``conv2d``.
 """
 
 import jax
 
 from capsjax.conv import onednn
+from capsjax.conv import products
 from capsjax.conv.lowerings import CONV_IMPLS
 from capsjax.conv.lowerings import conv2d
 from capsjax.conv.lowerings import eigen_conv
@@ -20,28 +23,33 @@ from capsjax.conv.lowerings import onednn_input_grad_conv
 from capsjax.conv.lowerings import patches_conv
 from capsjax.conv.lowerings import space_to_depth_conv
 from capsjax.conv.lowerings import taps_conv
+from capsjax.conv.products import dot_general
 
 
 def backend() -> str:
   """Which convolutions this process runs, in words: 'oneDNN' or 'XLA', and
-  why not oneDNN on the CPU (for the run's header, summary and benchmark
-  rows)."""
+  why not oneDNN on the CPU, for float32 and for bfloat16 (for the run's
+  header, summary and benchmark rows), e.g. 'oneDNN (float32; bfloat16 by
+  oneDNN (avx512_core_bf16))'."""
   platform = jax.default_backend()
   if platform != 'cpu':
     return f'XLA ({platform})'
-  if onednn.available():
-    return 'oneDNN (float32; XLA for other dtypes)'
-  return f'XLA (oneDNN {onednn.status()})'
+  if not onednn.available():
+    return f'XLA (oneDNN {onednn.status()})'
+  _, bf16 = onednn.bf16_status()
+  return f'oneDNN (float32; bfloat16 by {bf16}; XLA for other dtypes)'
 
 
 __all__ = (
     'CONV_IMPLS',
     'backend',
     'conv2d',
+    'dot_general',
     'eigen_conv',
     'narrow_conv',
     'onednn_input_grad_conv',
     'patches_conv',
+    'products',
     'space_to_depth_conv',
     'taps_conv',
 )

@@ -152,7 +152,8 @@ TAPS_MIN_CHANNELS = 64
 # time. XLA's forward and kernel gradient with oneDNN's input gradient
 # took 0.96 of it at batch 128 and 1.03 at 64.
 def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
-                  out_positions: int, onednn: bool = False) -> str:
+                  out_positions: int, onednn: bool = False,
+                  bfloat16: bool = False) -> str:
   """conv2d's lowering on the CPU backend.
 
   Args:
@@ -161,11 +162,15 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     in_positions: H * W of its (padded) input.
     out_positions: H' * W' of its output.
     onednn: whether ``capsjax.conv.onednn`` is available and computes this
-      convolution (float32, a non-empty batch).
+      convolution (float32, or bfloat16 on a CPU with bfloat16
+      instructions; a non-empty batch).
+    bfloat16: whether its operands are bfloat16.
   Returns:
-    With oneDNN: 'onednn', except 'onednn_input_grad' where XLA's choice
-    would be strided taps (XLA's forward and kernel gradient are the faster
-    there: the comment above). Without: 'patches' where XLA:CPU's
+    With oneDNN: 'onednn', except in float32 'onednn_input_grad' where
+    XLA's choice would be strided taps (XLA's float32 forward and kernel
+    gradient are the faster there: the comment above; its bfloat16
+    convolutions are slower than its float32 ones, oneDNN's faster).
+    Without: 'patches' where XLA:CPU's
     convolutions are YNNPACK's (their backward passes are slow); 'narrow'
     where the regrouped input is narrow; where the input gradient as a
     convolution would cover many more positions than the output, 'taps'
@@ -177,7 +182,9 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
   xla = _xla_conv_impl(in_channels, stride, in_positions, out_positions)
   if not onednn:
     return xla
-  return 'onednn_input_grad' if xla == 'taps' and stride > 1 else 'onednn'
+  if xla == 'taps' and stride > 1 and not bfloat16:
+    return 'onednn_input_grad'
+  return 'onednn'
 
 
 def _xla_conv_impl(in_channels: int, stride: int, in_positions: int,

@@ -411,8 +411,11 @@ onednn_input_grad_conv.defvjp(_onednn_input_grad_conv_forward,
 
 def _onednn_fits(x: jax.Array, kernel: jax.Array, pad_h: tuple[int, int],
                  pad_w: tuple[int, int]) -> bool:
-  """Whether oneDNN's convolution (``capsjax.conv.onednn``) computes this one."""
-  return (x.shape[0] > 0 and x.dtype == kernel.dtype == jnp.float32 and
+  """Whether oneDNN's convolution (``capsjax.conv.onednn``) can compute this
+  one: float32 or bfloat16 (both operands), a non-empty batch, the kernel
+  fits the padded input."""
+  return (x.shape[0] > 0 and x.dtype == kernel.dtype and
+          x.dtype in (jnp.float32, jnp.bfloat16) and
           x.shape[1] + sum(pad_h) >= kernel.shape[0] and
           x.shape[2] + sum(pad_w) >= kernel.shape[1])
 
@@ -435,13 +438,15 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       tap: ``taps_conv``),
       'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution),
       'direct' (``lax.conv_general_dilated`` with the stride), 'onednn'
-      (oneDNN's, float32 only: ``capsjax.conv.onednn``) or 'onednn_input_grad'
-      (XLA's with oneDNN's input gradient: ``onednn_input_grad_conv``).
+      (oneDNN's, float32 or bfloat16: ``capsjax.conv.onednn``) or
+      'onednn_input_grad' (XLA's with oneDNN's input gradient, float32:
+      ``onednn_input_grad_conv``).
       None picks ``dispatch.cpu_conv_impl``'s choice on the CPU
-      backend (oneDNN's where it is installed, else XLA's lowerings: see
-      there) and direct elsewhere: on GPU the zero taps of the regrouped
-      kernel would add 23% MACs to the 9x9 stride-2 PrimaryCaps conv and
-      cuDNN's kernels have no such backward problem.
+      backend (oneDNN's where it is installed and, for bfloat16, the CPU
+      has bfloat16 instructions: ``onednn.bf16_status``; else XLA's
+      lowerings: see there) and direct elsewhere: on GPU the zero taps of
+      the regrouped kernel would add 23% MACs to the 9x9 stride-2
+      PrimaryCaps conv and cuDNN's kernels have no such backward problem.
   Returns:
     [B, H', W', F].
   """
@@ -461,7 +466,9 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
     out_w = votes_lib.output_size(width, kernel.shape[1], stride)
     impl = dispatch.cpu_conv_impl(
         x.shape[-1], stride, height * width, out_h * out_w,
-        onednn=_onednn_fits(x, kernel, pad_h, pad_w) and onednn.available())
+        onednn=(_onednn_fits(x, kernel, pad_h, pad_w) and
+                onednn.computes(x.dtype)),
+        bfloat16=x.dtype == jnp.bfloat16)
   elif impl is None:
     impl = 'direct'
   if impl not in CONV_IMPLS:
@@ -471,14 +478,18 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   if impl in ('onednn', 'onednn_input_grad'):
     if not _onednn_fits(x, kernel, pad_h, pad_w):
       raise ValueError(
-          f"conv_impl={impl!r} takes float32 convolutions of a non-empty "
-          f'batch that the kernel fits; got a {x.dtype} input {x.shape}, '
-          f'kernel {kernel.shape}. Leave conv_impl unset.')
+          f"conv_impl={impl!r} takes float32 or bfloat16 convolutions of a "
+          f'non-empty batch that the kernel fits; got a {x.dtype} input '
+          f'{x.shape}, {kernel.dtype} kernel {kernel.shape}. Leave conv_impl '
+          f'unset.')
     if not on_cpu:
       raise ValueError(f'conv_impl={impl!r} runs on the CPU backend only; '
                        f'this one is {jax.default_backend()!r}.')
     if not onednn.available():
       raise ValueError(f'conv_impl={impl!r}: oneDNN is {onednn.status()}.')
+    if x.dtype == jnp.bfloat16 and impl == 'onednn_input_grad':
+      raise ValueError("conv_impl='onednn_input_grad' is float32 only (XLA's "
+                       "bfloat16 forward pass is slow); use 'onednn'.")
     if impl == 'onednn_input_grad':
       return onednn_input_grad_conv(x, kernel, stride, padding)
     return onednn.conv(x, kernel, stride, (pad_h, pad_w))
