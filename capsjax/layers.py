@@ -5,6 +5,13 @@ Cout channels or capsule types, I input capsules, O output capsules, Din /
 Dout vector-capsule dimensions, P the side of a pose matrix (4), K a kernel
 size. Every module's docstring gives its input and output shapes.
 
+Argument names, one per idea: ``in_features`` / ``out_features`` the
+channels of a convolution, ``in_caps`` / ``out_caps`` the capsules of a
+dense capsule layer, ``in_types`` / ``out_types`` the capsule types at each
+position of a convolutional capsule layer, ``in_dim`` / ``out_dim`` a vector
+capsule's length, ``pose_size`` P, ``transform_std`` the std of the capsule
+transforms.
+
 Initialisation (see each layer):
 - Convolutions: Flax's default, lecun normal kernels and zero biases
   (``kernel_init=glorot_uniform`` is Keras' default, for Su's models).
@@ -274,23 +281,24 @@ class DenseCapsules(nnx.Module):
   Input [B, I, Din] -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
 
-  def __init__(self, num_in: int, in_dim: int, num_out: int, out_dim: int,
+  def __init__(self, in_caps: int, in_dim: int, out_caps: int, out_dim: int,
                num_iterations: int = 3, *, accumulate: bool = True,
                leaky: bool = False, squash_constant: float = 1.0,
-               use_bias: bool = True, weight_std: float = OFFICIAL_WEIGHT_STD,
+               use_bias: bool = True,
+               transform_std: float = OFFICIAL_WEIGHT_STD,
                bias_init: float = OFFICIAL_BIAS_INIT,
                normalize_agreement: bool = False, rngs: nnx.Rngs):
-    for name, value in (('num_in', num_in), ('in_dim', in_dim),
-                        ('num_out', num_out), ('out_dim', out_dim)):
+    for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
+                        ('out_caps', out_caps), ('out_dim', out_dim)):
       _check_positive_int(name, value)
     _check_iterations(num_iterations)
     self.num_iterations = num_iterations
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
     self.normalize_agreement = normalize_agreement
-    self.weights = nnx.Param(truncated_normal_init(weight_std)(
-        rngs.params(), (num_in, num_out, in_dim, out_dim)))
-    self.bias = (nnx.Param(jnp.full((num_out, out_dim), bias_init, jnp.float32))
+    self.weights = nnx.Param(truncated_normal_init(transform_std)(
+        rngs.params(), (in_caps, out_caps, in_dim, out_dim)))
+    self.bias = (nnx.Param(jnp.full((out_caps, out_dim), bias_init, jnp.float32))
                  if use_bias else None)
 
   def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
@@ -314,12 +322,12 @@ class SharedCapsules(nnx.Module):
   Input [B, I, Din] (any I) -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
 
-  def __init__(self, in_dim: int, num_out: int, out_dim: int,
+  def __init__(self, in_dim: int, out_caps: int, out_dim: int,
                num_iterations: int = 3, *, accumulate: bool = True,
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = False, bias_init: float = OFFICIAL_BIAS_INIT,
                normalize_agreement: bool = False, rngs: nnx.Rngs):
-    for name, value in (('in_dim', in_dim), ('num_out', num_out),
+    for name, value in (('in_dim', in_dim), ('out_caps', out_caps),
                         ('out_dim', out_dim)):
       _check_positive_int(name, value)
     _check_iterations(num_iterations)
@@ -327,11 +335,11 @@ class SharedCapsules(nnx.Module):
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
     self.normalize_agreement = normalize_agreement
-    limit = math.sqrt(6.0 / (in_dim + num_out * out_dim))
+    limit = math.sqrt(6.0 / (in_dim + out_caps * out_dim))
     self.weights = nnx.Param(jax.random.uniform(
-        rngs.params(), (num_out * in_dim * out_dim,), jnp.float32, -limit,
-        limit).reshape(num_out, in_dim, out_dim))
-    self.bias = (nnx.Param(jnp.full((num_out, out_dim), bias_init, jnp.float32))
+        rngs.params(), (out_caps * in_dim * out_dim,), jnp.float32, -limit,
+        limit).reshape(out_caps, in_dim, out_dim))
+    self.bias = (nnx.Param(jnp.full((out_caps, out_dim), bias_init, jnp.float32))
                  if use_bias else None)
 
   def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
@@ -460,6 +468,102 @@ def _transform_init(rngs: nnx.Rngs, shape: Sequence[int], pose_size: int,
   return init(std)(rngs.params(), tuple(shape))
 
 
+# On a CPU, conv_capsule_routing routes the windows in chunks whose votes
+# take about this many bytes, so that one chunk's votes and their routing
+# temporaries (about 6 votes-sized tensors forward and backward) stay in
+# the caches instead of streaming the whole layer's through memory each
+# pass: 3 windows of the paper EM model's conv capsule layers (288 x 32 x
+# 16 float32 votes each; benchmarks/em_memory.py times other sizes).
+WINDOW_CHUNK_BYTES = 2**21
+
+
+def window_chunk_size(window_chunk: int | None, votes_per_window: int,
+                      dtype) -> int:
+  """Windows per chunk: ``window_chunk`` (0: all at once) or, for None,
+  the CPU's default (``WINDOW_CHUNK_BYTES`` of votes; all at once on an
+  accelerator, where one chunk at a time would leave it idle)."""
+  if window_chunk is not None:
+    if (isinstance(window_chunk, bool) or not isinstance(window_chunk, int)
+        or window_chunk < 0):
+      raise ValueError(f'window_chunk must be None or an int >= 0, got '
+                       f'{window_chunk!r}.')
+    return window_chunk
+  if jax.default_backend() != 'cpu':
+    return 0
+  return max(1, WINDOW_CHUNK_BYTES
+             // (votes_per_window * jnp.dtype(dtype).itemsize))
+
+
+def _chunk_shape(batch: int, positions: int, window_chunk: int,
+                 whole_images: bool) -> tuple[int, int]:
+  """(images, positions) per chunk of about ``window_chunk`` windows.
+
+  The images per chunk divide the batch and, where the batch allows, are a
+  multiple of the device count: a batch sharded over the devices then
+  stays sharded inside every chunk, and the chunks run over unsharded
+  axes (mapping over a sharded axis made a 4-device train step 4x
+  slower).
+  """
+  if whole_images or window_chunk >= positions:
+    per_image, images = positions, max(1, window_chunk // positions)
+  else:
+    per_image, images = window_chunk, 1
+  devices = jax.device_count()
+  step = devices if batch % devices == 0 else 1
+  # A multiple of step, at most the batch (itself a multiple of step).
+  images = -(-min(images, batch) // step) * step
+  while batch % images:
+    images += step
+  return images, per_image
+
+
+def _chunked_windows(route, pose_patches: jax.Array, act_patches: jax.Array,
+                     images: int, per_image: int):
+  """``route`` over [B, positions] windows, chunk by chunk.
+
+  A chunk is ``per_image`` positions of ``images`` images (every
+  B/images-th image, so that a sharded batch dim stays the chunk's major
+  dim). Each chunk's votes and routing are recomputed in the backward pass
+  (``jax.checkpoint`` per chunk), so neither pass holds more than one
+  chunk's [images, per_image, I, O, P*P] temporaries, and the forward pass
+  keeps only the patches for the backward.
+
+  Args:
+    route: (pose patches [b, n, I, P, P], activation patches [b, n, I]) ->
+      pytree of [b, n, ...] arrays.
+    pose_patches: [B, N, I, P, P]; act_patches: [B, N, I].
+    images: images per chunk (divides B); per_image: positions per chunk.
+  Returns:
+    route's pytree over all [B, N] windows.
+  """
+  batch, num = pose_patches.shape[:2]
+  if images >= batch and per_image >= num:
+    return route(pose_patches, act_patches)
+  groups, count = batch // images, -(-num // per_image)
+  pad = count * per_image - num
+
+  def split(x):
+    """[B, N, ...] -> [groups * count, images, per_image, ...]; positions
+    padded with zeros (zero activations route to finite outputs, sliced
+    off below)."""
+    if pad:
+      x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    rest = x.shape[2:]
+    x = x.reshape((images, groups, count, per_image) + rest)
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape((groups * count, images, per_image) + rest)
+
+  def merge(y):
+    rest = y.shape[3:]
+    y = jnp.moveaxis(y.reshape((groups, count, images, per_image) + rest), 2,
+                     0)
+    return y.reshape((batch, count * per_image) + rest)[:, :num]
+
+  out = jax.lax.map(lambda xs: jax.checkpoint(route)(*xs),
+                    (split(pose_patches), split(act_patches)))
+  return jax.tree.map(merge, out)
+
+
 def conv_capsule_routing(
     poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
     beta_u: ArrayLike, beta_a: ArrayLike, *, stride: int,
@@ -469,7 +573,7 @@ def conv_capsule_routing(
     activation_form: str = 'paper', normalize_across_positions: bool = False,
     released: bool = False, mass_epsilon: float | None = None,
     true_stride: bool = False, votes_dtype=None,
-    remat_iterations: bool = False
+    remat_iterations: bool = False, window_chunk: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Convolutional capsules with EM routing, as a pure function.
 
@@ -497,6 +601,14 @@ def conv_capsule_routing(
       stride 1).
     votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
       routing statistics stay float32. None keeps the poses' dtype.
+    window_chunk: windows routed at a time: each chunk computes its votes
+      from its pose patches and is recomputed in the backward pass
+      (``jax.checkpoint``), so no pass holds more than one chunk's votes.
+      With an E-step normaliser (``normalize_across_positions``,
+      ``released``) the chunks are whole images, as many as fit in
+      ``window_chunk`` windows (at least one). 0 routes all windows at
+      once; None is 0 on an accelerator and on a CPU the windows whose
+      votes take about ``WINDOW_CHUNK_BYTES``.
   Returns:
     (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
     poses' dtype, assignments [B, H', W', I, Cout] float32).
@@ -522,8 +634,6 @@ def conv_capsule_routing(
   pose_patches = pose_patches.reshape(batch, out_h, out_w, num_in, p, p)
   act_patches = votes_lib.conv_capsule_patches(
       activations, kernel_size, stride).reshape(batch, out_h, out_w, num_in)
-  window_votes = votes_lib.matrix_votes(
-      pose_patches, weights.reshape(num_in, out_types, p, p))
   options = dict(num_iterations=num_iterations,
                  inverse_temperature=inverse_temperature,
                  variance_epsilon=variance_epsilon,
@@ -535,28 +645,49 @@ def conv_capsule_routing(
     if normalize_across_positions:
       raise ValueError('released=True brings its own E-step normaliser; '
                        'leave normalize_across_positions False.')
-    normalizer = votes_lib.released_conv_normalizer(
-        out_h, out_w, kernel_size, stride, in_types, true_stride=true_stride)
-    out_poses, out_acts, assignments = routing.em_routing(
-        window_votes, act_patches, beta_u, beta_a,
-        assignment_normalizer=normalizer, released=True,
+    options.update(
+        assignment_normalizer=votes_lib.released_conv_normalizer(
+            out_h, out_w, kernel_size, stride, in_types,
+            true_stride=true_stride),
+        released=True,
         mass_epsilon=(routing.RELEASED_CONV_MASS_EPSILON
-                      if mass_epsilon is None else mass_epsilon), **options)
+                      if mass_epsilon is None else mass_epsilon))
   elif true_stride or mass_epsilon is not None:
     raise ValueError('true_stride and mass_epsilon apply with released=True '
                      'only.')
   elif normalize_across_positions:
-    normalizer = votes_lib.conv_parent_normalizer(height, width, kernel_size,
-                                                  stride, in_types)
-    out_poses, out_acts, assignments = routing.em_routing(
-        window_votes, act_patches, beta_u, beta_a,
-        assignment_normalizer=normalizer, **options)
-  else:
-    # One independent EM routing per output position: em_routing maps over
-    # the leading [B, H', W'] dims exactly as a vmap over positions would
-    # (measured: nested vmap over H', W' cost 1.5x more on CPU).
-    route = lambda v, a: routing.em_routing(v, a, beta_u, beta_a, **options)
-    out_poses, out_acts, assignments = route(window_votes, act_patches)
+    options.update(assignment_normalizer=votes_lib.conv_parent_normalizer(
+        height, width, kernel_size, stride, in_types))
+  flat_weights = weights.reshape(num_in, out_types, p, p)
+  # An E-step normaliser couples the windows of an image: it routes whole
+  # images. Without one every window routes on its own (em_routing maps
+  # over the leading dims exactly as a vmap over windows would; a nested
+  # vmap over H', W' cost 1.5x more on CPU).
+  whole_images = 'assignment_normalizer' in options
+
+  def route(pose_windows, act_windows):
+    """[b, H'*W', I, P, P], [b, H'*W', I] -> routing outputs [b, H'*W', ...]."""
+    if whole_images:
+      pose_windows = pose_windows.reshape((-1, out_h, out_w)
+                                          + pose_windows.shape[2:])
+      act_windows = act_windows.reshape(-1, out_h, out_w, num_in)
+    out = routing.em_routing(
+        votes_lib.matrix_votes(pose_windows, flat_weights), act_windows,
+        beta_u, beta_a, **options)
+    return tuple(x.reshape((-1, out_h * out_w) + x.shape[3:]) if whole_images
+                 else x for x in out)
+
+  positions = out_h * out_w
+  window_chunk = window_chunk_size(
+      window_chunk, num_in * out_types * p * p,
+      jnp.promote_types(pose_patches.dtype, jnp.float32))
+  images, per_image = (batch, positions) if not window_chunk else (
+      _chunk_shape(batch, positions, window_chunk, whole_images))
+  out_poses, out_acts, assignments = _chunked_windows(
+      route, pose_patches.reshape((batch, positions, num_in, p, p)),
+      act_patches.reshape(batch, positions, num_in), images, per_image)
+  out_acts = out_acts.reshape(batch, out_h, out_w, out_types)
+  assignments = assignments.reshape(batch, out_h, out_w, num_in, out_types)
   out_poses = out_poses.reshape(batch, out_h, out_w, out_types, p, p)
   return (out_poses.astype(out_dtype), out_acts.astype(out_dtype),
           assignments)
@@ -580,7 +711,10 @@ class ConvCapsules(nnx.Module):
   (``routing.em_routing``): only the assignments are kept between
   iterations (BENCHMARKS.md compares the two).
   ``votes_dtype=jnp.bfloat16`` stores votes in bfloat16; routing statistics
-  stay float32.
+  stay float32. ``window_chunk``: windows routed at a time, their votes
+  recomputed in the backward pass (``conv_capsule_routing``; None: chunks
+  of about ``WINDOW_CHUNK_BYTES`` of votes on a CPU, all at once on an
+  accelerator).
   """
 
   def __init__(self, in_types: int, out_types: int, kernel_size: int = 3,
@@ -592,6 +726,7 @@ class ConvCapsules(nnx.Module):
                normalize_across_positions: bool = False,
                released: bool = False, true_stride: bool = False,
                remat: bool = False, remat_iterations: bool = False,
+               window_chunk: int | None = None,
                votes_dtype=None, transform_std: float | None = None,
                transform_init: str = 'normal',
                beta_u_init: float = 0.0, beta_a_init: float = 0.0,
@@ -609,6 +744,8 @@ class ConvCapsules(nnx.Module):
     self.normalize_across_positions = normalize_across_positions
     self.true_stride = true_stride
     self.remat, self.remat_iterations = remat, remat_iterations
+    window_chunk_size(window_chunk, 1, jnp.float32)  # validates it
+    self.window_chunk = window_chunk
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(
         rngs, (kernel_size, kernel_size, in_types, out_types, pose_size,
@@ -626,7 +763,8 @@ class ConvCapsules(nnx.Module):
         conv_capsule_routing, stride=self.stride,
         normalize_across_positions=self.normalize_across_positions,
         true_stride=self.true_stride, votes_dtype=self.votes_dtype,
-        remat_iterations=self.remat_iterations, **self.routing_options)
+        remat_iterations=self.remat_iterations,
+        window_chunk=self.window_chunk, **self.routing_options)
     if self.remat:
       fn = jax.checkpoint(fn)
     out_poses, out_acts, _ = fn(poses, activations, self.weights[...],

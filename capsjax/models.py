@@ -382,6 +382,12 @@ class MatrixCapsNet(nnx.Module):
   ``class_lambda_scale`` multiplies the other layers' lambda there (the
   released code: 0.25, final lambda / 4).
 
+  ``window_chunk``: how many windows each conv capsule layer routes at a
+  time (``layers.conv_capsule_routing``): None, on a CPU chunks of about
+  ``layers.WINDOW_CHUNK_BYTES`` of votes recomputed in the backward pass
+  (far less memory, and faster: the chunk stays in cache), on an
+  accelerator all at once; 0 all at once; N that many.
+
   Returns {'class_scores': [B, K] class activations, 'poses': [B, K, 4, 4],
   and the class layer's routing: 'assignments' [B, I, K] (I = h * w * D
   ConvCaps2 capsules, ordered (row, column, type)) and
@@ -406,7 +412,8 @@ class MatrixCapsNet(nnx.Module):
                normalize_across_positions: bool = False,
                released_routing: bool = False, true_stride: bool = False,
                primary_form: str = 'paper', remat: bool = False,
-               remat_iterations: bool = False, votes_dtype=None,
+               remat_iterations: bool = False,
+               window_chunk: int | None = None, votes_dtype=None,
                init: str = 'paper',
                transform_std: float | None = None,
                conv_impl: str | None = None, rngs: nnx.Rngs):
@@ -457,13 +464,15 @@ class MatrixCapsNet(nnx.Module):
         B, C, caps1_kernel, caps1_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions,
         true_stride=true_stride, remat=remat,
-        remat_iterations=remat_iterations, rngs=rngs,
+        remat_iterations=remat_iterations,
+        window_chunk=window_chunk, rngs=rngs,
         **(em | {'num_iterations': caps1_iterations}), **conv_init)
     self.caps2 = layers.ConvCapsules(
         C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions,
         true_stride=true_stride, remat=remat,
-        remat_iterations=remat_iterations, rngs=rngs, **em, **conv_init)
+        remat_iterations=remat_iterations,
+        window_chunk=window_chunk, rngs=rngs, **em, **conv_init)
     # The authors' coordinates: each class-layer position's receptive-field
     # centre in input pixels (Conv1, then the 1x1 primary capsules, then
     # the two conv capsule layers).

@@ -33,16 +33,16 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 import jax
 import numpy as np
 from flax import nnx
-from capsjax.training import checkpoints, dynamic, em
+from capsjax.training import checkpoints, matrix_capsules, vector_capsules
 from capsjax.training import state as state_lib
 from experiments.configs import capsnet_mnist, matrix_capsnet_mnist
 
 family, data_dir, workdir, options, settings = sys.argv[1:]
 assert jax.device_count() == 8, jax.devices()
 if family == 'capsnet':
-  base, train = capsnet_mnist.get_config('smoke'), dynamic
+  base, train = capsnet_mnist.get_config('smoke'), vector_capsules
 else:
-  base, train = matrix_capsnet_mnist.get_config('smoke'), em
+  base, train = matrix_capsnet_mnist.get_config('smoke'), matrix_capsules
 base.model_options.update(json.loads(options))
 base.update(json.loads(settings))
 base.data_dir = data_dir

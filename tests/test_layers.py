@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.test_util import check_grads
 
 from capsjax import layers
 from capsjax import routing
@@ -267,7 +268,7 @@ def test_shared_capsules_match_einsum_reference_for_any_input_count():
 def test_vector_capsule_layers_validate_arguments():
   with pytest.raises(ValueError, match='num_iterations'):
     layers.DenseCapsules(4, 8, 2, 16, 0, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match='num_out'):
+  with pytest.raises(ValueError, match='out_caps'):
     layers.SharedCapsules(8, -1, 16, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='vector_votes'):
     layers.DenseCapsules(4, 8, 2, 16, rngs=nnx.Rngs(0))(jnp.zeros((1, 5, 8)))
@@ -431,6 +432,62 @@ def test_conv_capsules_remat_and_bfloat16_votes():
   # votes are rounded on the scale of the largest) from float32.
   np.testing.assert_allclose(half_a, out_a, atol=2.0**-7)
   np.testing.assert_allclose(half_p, out_p, rtol=2.0**-6, atol=2.0**-5)
+
+
+_NORMALIZERS = {'window': {}, 'across': {'normalize_across_positions': True},
+                'released': routing.RELEASED_EM}
+
+
+@pytest.mark.parametrize('chunk,normalizer', [
+    (1, 'window'), (4, 'window'), (13, 'window'), (1, 'across'),
+    (6, 'released'), (13, 'released')])
+def test_conv_capsules_window_chunks_equal_the_whole_layer(chunk, normalizer):
+  # 3 x 2 positions of 4 images. Chunks of 1 window, of 4 positions of an
+  # image (its 6 padded to 8), of 2 whole images (13 windows: images 0, 2
+  # and then 1, 3); with an E-step normaliser whole images only (1 image
+  # for 1 and 6 windows). float64, so that only the summation order may
+  # differ.
+  dims = chex.Dimensions(B=4, H=7, W=5, C=2, O=3, P=4)
+  options = _NORMALIZERS[normalizer]
+  with jax.enable_x64(True):
+    poses, acts = (np.asarray(x, np.float64)
+                   for x in _conv_caps_inputs(dims, seed=7))
+    layer = layers.ConvCapsules(dims.C, dims.O, 3, 2, beta_u_init=0.2,
+                                beta_a_init=-0.1, rngs=nnx.Rngs(7))
+    params = tuple(np.asarray(x, np.float64) for x in (
+        layer.weights[...], layer.beta_u[...], layer.beta_a[...]))
+
+    def loss_and_grads(window_chunk):
+      def loss(poses, acts, *params):
+        out_poses, out_acts, assignments = layers.conv_capsule_routing(
+            poses, acts, *params, stride=2, window_chunk=window_chunk,
+            **options)
+        return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
+                + jnp.sum(jnp.cos(assignments)), (out_poses, out_acts,
+                                                  assignments))
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                        has_aux=True))(poses, acts, *params)
+
+    whole = loss_and_grads(0)
+    chex.assert_trees_all_close(loss_and_grads(chunk), whole, rtol=1e-10,
+                                atol=1e-12)
+    # Chunked gradients match finite differences.
+    check_grads(lambda p, a, w: layers.conv_capsule_routing(
+        p, a, w, *params[1:], stride=2, window_chunk=chunk, **options)[:2],
+                (jnp.asarray(poses), jnp.asarray(acts), params[0]), order=1,
+                modes=['rev'], atol=1e-4, rtol=1e-4)
+
+
+def test_window_chunk_size_default_and_validation():
+  # Chunks of about WINDOW_CHUNK_BYTES of votes on a CPU.
+  votes = 288 * 32 * 16  # one window of the paper EM model's conv layers
+  expected = (max(1, layers.WINDOW_CHUNK_BYTES // (4 * votes))
+              if jax.default_backend() == 'cpu' else 0)
+  assert layers.window_chunk_size(None, votes, jnp.float32) == expected
+  assert layers.window_chunk_size(0, votes, jnp.float32) == 0
+  assert layers.window_chunk_size(5, votes, jnp.float32) == 5
+  with pytest.raises(ValueError, match='window_chunk'):
+    layers.ConvCapsules(2, 3, window_chunk=-1, rngs=nnx.Rngs(0))
 
 
 def test_conv_capsules_validate_arguments():

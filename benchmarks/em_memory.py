@@ -1,0 +1,241 @@
+"""Compiled memory and cost of the EM models' train step and routing layers.
+
+XLA's compiled memory analysis (exact for the compiled program, no run) and
+cost analysis of the real train step (as ``experiments.benchmark`` builds
+it) at several batches, of each EM routing layer's forward and forward +
+backward passes, and optionally a short timing of the train step.
+
+  python -m benchmarks.em_memory steps --batches=8,16,64
+  python -m benchmarks.em_memory steps --model=matrix_capsnet_mnist:paper
+  python -m benchmarks.em_memory layers --batches=8,64
+  python -m benchmarks.em_memory time --batches=8,16 --rounds=3
+  python -m benchmarks.em_memory hlo --batches=8 --hlo_dir=/tmp/em_hlo
+
+``--impls``: how the conv capsule layers chunk their windows
+(``layers.conv_capsule_routing``'s ``window_chunk``): 'auto' (the
+default), 'whole' (all at once, the layer-wide votes), 'chunkN' (N
+windows). ``time`` alternates the train steps of every impl in one process,
+so their ratio is measured under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from capsjax import layers
+from capsjax.training import state as state_lib
+from experiments import benchmark
+
+_MIB = 2.0**20
+
+
+def _train_step(spec: str, batch: int, options: dict, impl: str = 'auto'):
+  """(jitted train step, its example arguments, model) of a config at
+  ``batch``, its conv capsule layers routing with ``impl``'s chunks."""
+  config = benchmark.configure(spec, batch_size=batch, options=options)
+  model = state_lib.create_model(config, seed=0)
+  for layer in (model.caps1, model.caps2):
+    layer.window_chunk = _window_chunk(impl)
+  optimizer = state_lib.make_optimizer(config)
+  graphdef, state = state_lib.init_train_state(model, optimizer)
+  steps = benchmark.make_steps(config, optimizer, 'float32')
+  rng = np.random.default_rng(0)
+  shape = benchmark.image_shape(config)
+  images = jnp.asarray(rng.integers(0, 256, (batch,) + shape, np.uint8))
+  labels = jnp.asarray(rng.integers(0, benchmark.num_classes(config), batch,
+                                    np.int32))
+  train = jax.jit(functools.partial(steps.train_step, graphdef),
+                  donate_argnums=0)
+  return train, (state, images, labels, jax.random.PRNGKey(2)), model
+
+
+def _analysis(compiled) -> dict:
+  memory = benchmark.memory_analysis(compiled)
+  cost = benchmark.xla_cost(compiled)
+  return {'temp_mib': memory['temp'] / _MIB,
+          'total_mib': memory['total'] / _MIB,
+          'xla_gflop': (cost['flops'] or 0.0) / 1e9,
+          'xla_gb_accessed': (cost['bytes'] or 0.0) / 1e9}
+
+
+def _window_chunk(impl: str) -> int | None:
+  """'auto' -> None (the default), 'whole' -> 0, 'chunkN' -> N."""
+  if impl == 'auto':
+    return None
+  if impl == 'whole':
+    return 0
+  if impl.startswith('chunk'):
+    return int(impl[len('chunk'):])
+  raise ValueError(f"impl must be auto, whole or chunkN, got {impl!r}.")
+
+
+def steps_table(args) -> None:
+  for impl in args.impls:
+    for batch in args.batches:
+      train, example, _ = _train_step(args.model, batch, args.options, impl)
+      start = time.perf_counter()
+      compiled = train.lower(*example).compile()
+      row = _analysis(compiled)
+      print(f'train step {args.model} impl={impl} batch={batch}: '
+            f'temp {row["temp_mib"]:.1f} MiB, total {row["total_mib"]:.1f} '
+            f'MiB, XLA {row["xla_gflop"]:.2f} GFLOP, '
+            f'{row["xla_gb_accessed"]:.2f} GB accessed, compile '
+            f'{time.perf_counter() - start:.1f} s', flush=True)
+
+
+def _layer_inputs(model, batch: int, key):
+  """Random (poses, activations) entering caps1, caps2 and class caps."""
+  rows, cols = model.grid_sizes
+  sizes = {'caps1': (rows[0], cols[0], model.caps1.weights.shape[2]),
+           'caps2': (rows[1], cols[1], model.caps2.weights.shape[2]),
+           'class': (rows[2], cols[2], model.class_caps.weights.shape[0])}
+  inputs = {}
+  for name, (h, w, c) in sizes.items():
+    k1, k2, key = jax.random.split(key, 3)
+    inputs[name] = (jax.random.normal(k1, (batch, h, w, c, 4, 4)),
+                    jax.random.uniform(k2, (batch, h, w, c)))
+  return inputs
+
+
+def _layer_fns(model, impl: str):
+  """Pure (params, poses, activations) -> scalar of each EM layer."""
+  def conv(layer):
+    def f(params, poses, acts):
+      out_poses, out_acts, _ = layers.conv_capsule_routing(
+          poses, acts, *params, stride=layer.stride,
+          normalize_across_positions=layer.normalize_across_positions,
+          true_stride=layer.true_stride, window_chunk=_window_chunk(impl),
+          **layer.routing_options)
+      return jnp.sum(out_poses) + jnp.sum(out_acts)
+    return f, (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
+
+  cls = model.class_caps
+
+  def class_fn(params, poses, acts):
+    out_poses, out_acts, _ = layers.class_capsule_routing(
+        poses, acts, *params, coordinate_addition=cls.coordinate_addition,
+        coordinate_offsets=cls.coordinate_offsets,
+        coordinate_order=cls.coordinate_order, **cls.routing_options)
+    return jnp.sum(out_poses) + jnp.sum(out_acts)
+
+  return {'caps1': conv(model.caps1), 'caps2': conv(model.caps2),
+          'class': (class_fn, (cls.weights[...], cls.beta_u[...],
+                               cls.beta_a[...]))}
+
+
+def layers_table(args, hlo_dir: str = '') -> None:
+  _, _, model = _train_step(args.model, 2, args.options)
+  for batch in args.batches:
+    inputs = _layer_inputs(model, batch, jax.random.PRNGKey(0))
+    for name in ('caps1', 'caps2', 'class'):
+      poses, acts = inputs[name]
+      for impl in args.impls:
+        f, params = _layer_fns(model, impl)[name]
+        for pass_name, g in (('forward', f),
+                             ('fwd+bwd', jax.grad(f, argnums=(0, 1, 2)))):
+          compiled = jax.jit(g).lower(params, poses, acts).compile()
+          row = _analysis(compiled)
+          print(f'{name} impl={impl} batch={batch} {pass_name}: temp '
+                f'{row["temp_mib"]:.1f} MiB, XLA {row["xla_gflop"]:.3f} '
+                f'GFLOP, {row["xla_gb_accessed"]:.3f} GB accessed',
+                flush=True)
+          if hlo_dir and pass_name == 'fwd+bwd':
+            text = compiled.as_text()
+            path = os.path.join(hlo_dir, f'{name}_{impl}_b{batch}.hlo')
+            with open(path, 'w') as out:
+              out.write(text)
+            print(f'  wrote {path}; '
+                  f'{_big_buffers(text, poses.shape, model, name)}')
+
+
+def _big_buffers(text: str, poses_shape, model, name: str) -> str:
+  """Counts, by name, the entry computation's instructions (the buffers XLA
+  materialises between its kernels) whose f32 output has at least as many
+  elements as the layer's votes (the [B, H', W', I, O, 16] tensors)."""
+  fns = {'caps1': model.caps1, 'caps2': model.caps2}
+  batch = poses_shape[0]
+  if name in fns:
+    layer = fns[name]
+    k, _, cin, cout = layer.weights.shape[:4]
+    out_h = (poses_shape[1] - k) // layer.stride + 1
+    out_w = (poses_shape[2] - k) // layer.stride + 1
+    size = batch * out_h * out_w * k * k * cin * cout * 16
+  else:
+    size = (batch * poses_shape[1] * poses_shape[2] * poses_shape[3]
+            * model.class_caps.weights.shape[1] * 16)
+  counts = collections.Counter()
+  entry = text[text.index('\nENTRY'):]
+  for match in re.finditer(
+      r'^\s*(?:ROOT )?%([\w\-]+)[.\d]* = f32\[([\d,]+)\]', entry,
+      re.MULTILINE):
+    elems = int(np.prod([int(d) for d in match.group(2).split(',')]))
+    if elems >= size:
+      counts[match.group(1)] += 1
+  return f'votes-sized ({size} elements) outputs by name: {dict(counts)}'
+
+
+def time_table(args) -> None:
+  for batch in args.batches:
+    compiled = {}
+    for impl in args.impls:
+      train, example, _ = _train_step(args.model, batch, args.options, impl)
+      compiled[impl] = train.lower(*example).compile()
+    states = {impl: jax.tree.map(jnp.copy, example[0]) for impl in args.impls}
+    times = {impl: [] for impl in args.impls}
+    for impl in args.impls:  # warm-up
+      states[impl], _ = compiled[impl](states[impl], *example[1:])
+    jax.block_until_ready(states)
+    for _ in range(args.rounds):
+      for impl in args.impls:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+          states[impl], metrics = compiled[impl](states[impl], *example[1:])
+        jax.block_until_ready((states[impl], metrics))
+        times[impl].append((time.perf_counter() - start) / args.steps)
+    medians = {impl: statistics.median(t) for impl, t in times.items()}
+    base = medians[args.impls[0]]
+    print(f'time batch={batch} (loaded machine, not a claim): ' + ', '.join(
+        f'{impl} {m:.3f} s/step ({base / m:.2f}x of {args.impls[0]})'
+        for impl, m in medians.items()), flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('mode', choices=('steps', 'layers', 'time', 'hlo'))
+  parser.add_argument('--model', default='matrix_capsnet_mnist')
+  parser.add_argument('--batches', default='8,16,64')
+  parser.add_argument('--impls', default='auto')
+  parser.add_argument('--option', action='append', default=[],
+                      help='KEY=VALUE model option (repeatable)')
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--steps', type=int, default=2)
+  parser.add_argument('--hlo_dir', default='/tmp/em_hlo')
+  args = parser.parse_args()
+  args.batches = [int(b) for b in args.batches.split(',')]
+  args.impls = args.impls.split(',')
+  args.options = dict(
+      (k, benchmark.parse_value(v)) for k, v in
+      (o.split('=', 1) for o in args.option))
+  if args.mode == 'steps':
+    steps_table(args)
+  elif args.mode == 'layers':
+    layers_table(args)
+  elif args.mode == 'hlo':
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    layers_table(args, args.hlo_dir)
+  else:
+    time_table(args)
+
+
+if __name__ == '__main__':
+  main()
