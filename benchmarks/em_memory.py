@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import os
 import re
 import statistics
@@ -40,23 +39,13 @@ _MIB = 2.0**20
 
 
 def _train_step(spec: str, batch: int, options: dict, impl: str = 'auto'):
-  """(jitted train step, its example arguments, model) of a config at
-  ``batch``, its conv capsule layers routing with ``impl``'s chunks."""
-  config = benchmark.configure(spec, batch_size=batch, options=options)
-  model = state_lib.create_model(config, seed=0)
-  for layer in (model.caps1, model.caps2):
-    layer.window_chunk = _window_chunk(impl)
-  optimizer = state_lib.make_optimizer(config)
-  graphdef, state = state_lib.init_train_state(model, optimizer)
-  steps = benchmark.make_steps(config, optimizer, 'float32')
-  rng = np.random.default_rng(0)
-  shape = benchmark.image_shape(config)
-  images = jnp.asarray(rng.integers(0, 256, (batch,) + shape, np.uint8))
-  labels = jnp.asarray(rng.integers(0, benchmark.num_classes(config), batch,
-                                    np.int32))
-  train = jax.jit(functools.partial(steps.train_step, graphdef),
-                  donate_argnums=0)
-  return train, (state, images, labels, jax.random.PRNGKey(2)), model
+  """(jitted train step, its example arguments) of a config at ``batch``,
+  its conv capsule layers routing with ``impl``'s chunks."""
+  config = benchmark.configure(
+      spec, batch_size=batch,
+      options=options | {'window_chunk': _window_chunk(impl)})
+  step, example = benchmark.train_step_and_inputs(config)
+  return jax.jit(step, donate_argnums=0), example
 
 
 def _analysis(compiled) -> dict:
@@ -82,7 +71,7 @@ def _window_chunk(impl: str) -> int | None:
 def steps_table(args) -> None:
   for impl in args.impls:
     for batch in args.batches:
-      train, example, _ = _train_step(args.model, batch, args.options, impl)
+      train, example = _train_step(args.model, batch, args.options, impl)
       start = time.perf_counter()
       compiled = train.lower(*example).compile()
       row = _analysis(compiled)
@@ -134,7 +123,8 @@ def _layer_fns(model, impl: str):
 
 
 def layers_table(args, hlo_dir: str = '') -> None:
-  _, _, model = _train_step(args.model, 2, args.options)
+  model = state_lib.create_model(
+      benchmark.configure(args.model, options=args.options), seed=0)
   for batch in args.batches:
     inputs = _layer_inputs(model, batch, jax.random.PRNGKey(0))
     for name in ('caps1', 'caps2', 'class'):
@@ -188,7 +178,7 @@ def time_table(args) -> None:
   for batch in args.batches:
     compiled = {}
     for impl in args.impls:
-      train, example, _ = _train_step(args.model, batch, args.options, impl)
+      train, example = _train_step(args.model, batch, args.options, impl)
       compiled[impl] = train.lower(*example).compile()
     states = {impl: jax.tree.map(jnp.copy, example[0]) for impl in args.impls}
     times = {impl: [] for impl in args.impls}

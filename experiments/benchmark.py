@@ -261,6 +261,27 @@ def make_steps(config: ml_collections.ConfigDict, optimizer, dtype: str
   return training.family(config).make_steps(config, optimizer)
 
 
+def train_step_and_inputs(config: ml_collections.ConfigDict, *, seed: int = 0,
+                          dtype: str = 'float32'
+                          ) -> tuple[Callable, tuple[Any, ...]]:
+  """(the train step of ``config`` in ``dtype``, not jitted: (state, images,
+  labels, key) -> (state, metrics); its arguments: a fresh train state and
+  random uint8 images and labels of the config's batch size), for measuring
+  the compiled program (memory and cost analysis, HLO) outside
+  ``benchmark_model``."""
+  model = state_lib.create_model(config, seed=seed)
+  optimizer = state_lib.make_optimizer(config)
+  graphdef, state = state_lib.init_train_state(model, optimizer)
+  steps = make_steps(config, optimizer, dtype)
+  rng = np.random.default_rng(seed)
+  batch = config.batch_size
+  images = jnp.asarray(rng.integers(0, 256, (batch,) + image_shape(config),
+                                    np.uint8))
+  labels = jnp.asarray(rng.integers(0, num_classes(config), batch, np.int32))
+  return (functools.partial(steps.train_step, graphdef),
+          (state, images, labels, jax.random.PRNGKey(seed + 2)))
+
+
 # ----------------------------------------------------------------------------
 # Measurements.
 

@@ -14,15 +14,12 @@ custom calls gives the same hash.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 import sys
 
 import jax
-import jax.numpy as jnp
 
-from capsjax.training import state as state_lib
 from experiments import benchmark
 
 _DEBUG_SECTIONS = ('FileNames', 'FunctionNames', 'FileLocations',
@@ -50,15 +47,9 @@ def normalized_lines(hlo_text: str) -> list[str]:
 
 def fingerprint(spec: str, batch: int = 8) -> tuple[str, int]:
   """(hash, number of instructions) of ``spec``'s compiled train step."""
-  config = benchmark.configure(spec, batch_size=batch)
-  model = state_lib.create_model(config, seed=0)
-  optimizer = state_lib.make_optimizer(config)
-  graphdef, state = state_lib.init_train_state(model, optimizer)
-  steps = benchmark.make_steps(config, optimizer, 'float32')
-  shape = benchmark.image_shape(config)
-  compiled = jax.jit(functools.partial(steps.train_step, graphdef)).lower(
-      state, jnp.zeros((batch,) + shape, jnp.uint8),
-      jnp.zeros((batch,), jnp.int32), jax.random.PRNGKey(0)).compile()
+  step, example = benchmark.train_step_and_inputs(
+      benchmark.configure(spec, batch_size=batch))
+  compiled = jax.jit(step).lower(*example).compile()
   lines = normalized_lines(compiled.as_text())
   return hashlib.sha256('\n'.join(lines).encode()).hexdigest()[:16], len(lines)
 
