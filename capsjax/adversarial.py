@@ -16,8 +16,8 @@ Which loss the attacker differentiates is the model family's
 trained with, without regularisers: the margin loss on capsule lengths for
 CapsNet (not the reconstruction term), softmax cross-entropy for the
 baseline CNN, Su's binary margin loss for his two-digit models, and for EM
-models their spread loss at the final margin (``final_spread_margin``: m =
-0.9 'linear' or 0.99 'authors'). 'cross_entropy' is softmax cross-entropy
+models their spread loss at the final margin (``EMFamily.final_margin``:
+m = 0.9 'linear' or 0.99 'authors'). 'cross_entropy' is softmax cross-entropy
 over the family's ``class_logits``: the models' logits, or the log-odds of
 their scores in [0, 1] (lengths, sigmoid scores, EM activations). The
 margin losses are flat at zero for an example classified beyond the margins,
@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
@@ -44,7 +43,6 @@ from capsjax import families
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 ATTACKS = ('fgsm', 'bim')
-ATTACK_LOSSES = families.ATTACK_LOSSES
 
 
 def input_gradient(loss_fn: LossFn, images: ArrayLike, labels: ArrayLike
@@ -114,11 +112,6 @@ def attack(name: str, loss_fn: LossFn, images: ArrayLike, labels: ArrayLike,
 
 # ----------------------------------------------------------------------------
 # Trained models.
-
-
-def final_spread_margin(config: ml_collections.ConfigDict) -> float:
-  """The spread-loss margin an EM run in ``config`` ends its schedule with."""
-  return families.EMFamily.final_margin(config)
 
 
 def evaluate_attacks(model: nnx.Module, images: ArrayLike, labels: ArrayLike,

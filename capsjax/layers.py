@@ -477,16 +477,21 @@ def _transform_init(rngs: nnx.Rngs, shape: Sequence[int], pose_size: int,
 WINDOW_CHUNK_BYTES = 2**21
 
 
+def _check_window_chunk(window_chunk) -> None:
+  if window_chunk is not None and (
+      isinstance(window_chunk, bool) or not isinstance(window_chunk, int)
+      or window_chunk < 0):
+    raise ValueError(f'window_chunk must be None or an int >= 0, got '
+                     f'{window_chunk!r}.')
+
+
 def window_chunk_size(window_chunk: int | None, votes_per_window: int,
                       dtype) -> int:
   """Windows per chunk: ``window_chunk`` (0: all at once) or, for None,
   the CPU's default (``WINDOW_CHUNK_BYTES`` of votes; all at once on an
   accelerator, where one chunk at a time would leave it idle)."""
+  _check_window_chunk(window_chunk)
   if window_chunk is not None:
-    if (isinstance(window_chunk, bool) or not isinstance(window_chunk, int)
-        or window_chunk < 0):
-      raise ValueError(f'window_chunk must be None or an int >= 0, got '
-                       f'{window_chunk!r}.')
     return window_chunk
   if jax.default_backend() != 'cpu':
     return 0
@@ -744,7 +749,7 @@ class ConvCapsules(nnx.Module):
     self.normalize_across_positions = normalize_across_positions
     self.true_stride = true_stride
     self.remat, self.remat_iterations = remat, remat_iterations
-    window_chunk_size(window_chunk, 1, jnp.float32)  # validates it
+    _check_window_chunk(window_chunk)
     self.window_chunk = window_chunk
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(

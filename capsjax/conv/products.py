@@ -14,6 +14,8 @@ ones.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,7 @@ from capsjax.conv import onednn
 # product; the CapsNet decoder's largest (5.1e7 at batch 64) ran faster as
 # XLA's.
 ONEDNN_MIN_MACS = 2**26
+
 
 def _is_dense(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> bool:
   """Whether the product is a dense layer's: lhs [..., K] with rhs [K, N],
@@ -39,9 +42,7 @@ def uses_onednn(lhs_shape, rhs_shape, dtype) -> bool:
   """Whether ``dot_general`` computes a dense product of lhs [..., K] and
   rhs [K, N] in ``dtype`` by oneDNN: bfloat16, where oneDNN computes
   bfloat16 (``onednn.bf16_status``), on the CPU, and large."""
-  macs = 1
-  for size in (*lhs_shape, rhs_shape[-1]):
-    macs *= size
+  macs = math.prod(lhs_shape) * rhs_shape[-1]
   return (jnp.dtype(dtype) == jnp.bfloat16 and
           jax.default_backend() == 'cpu' and macs >= ONEDNN_MIN_MACS and
           onednn.computes(jnp.bfloat16))

@@ -41,8 +41,8 @@ def check(config: ml_collections.ConfigDict, *,
   if not epsilons or any(not 0 <= e <= 1 for e in epsilons):
     raise ValueError(f'epsilons must be values in [0, 1], got '
                      f'{tuple(epsilons)}.')
-  if loss not in adversarial.ATTACK_LOSSES:
-    raise ValueError(f'loss must be one of {adversarial.ATTACK_LOSSES}, got '
+  if loss not in families.ATTACK_LOSSES:
+    raise ValueError(f'loss must be one of {families.ATTACK_LOSSES}, got '
                      f'{loss!r}.')
   if num_examples < 0 or bim_steps < 0:
     raise ValueError(f'num_examples and bim_steps must be >= 0, got '
