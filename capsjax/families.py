@@ -28,6 +28,7 @@ Shape legend: B the batch, K the classes, T = 2 digits per MultiMNIST image.
 
 from __future__ import annotations
 
+import abc
 import importlib
 import types
 from typing import Any
@@ -64,7 +65,7 @@ def top_k_correct(scores: jax.Array, labels: jax.Array) -> jax.Array:
   return jnp.all(jnp.sort(top, axis=-1) == jnp.sort(labels, axis=-1), axis=-1)
 
 
-class Family:
+class Family(abc.ABC):
   """The knowledge of one kind of model; subclasses fill it in.
 
   ``name``: as the models' ``FAMILY``. ``scores``: 'probabilities' or
@@ -98,10 +99,10 @@ class Family:
     p = jnp.clip(scores, _SCORE_CLIP, 1.0 - _SCORE_CLIP)
     return jnp.log(p) - jnp.log1p(-p)
 
+  @abc.abstractmethod
   def class_loss(self, scores: jax.Array, labels: jax.Array, **options
                  ) -> jax.Array:
     """Per-example loss [B] of class scores [B, K] and int labels [B]."""
-    raise NotImplementedError
 
   def loss(self, outputs: dict[str, jax.Array], labels: jax.Array,
            config: ml_collections.ConfigDict, *,
