@@ -82,6 +82,31 @@ def test_matrix_votes_share_transforms_over_positions():
                              rtol=1e-6, atol=1e-6)
 
 
+def test_matrix_votes_gradients_match_float64_reference():
+  # dL/dM_i = sum_j G_ij W_ij^T and dL/dW_ij = sum over the leading dims of
+  # M_i^T G_ij, for a cotangent G; poses with two leading dims and
+  # non-square P x Q times Q x R transforms, so no axis can be swapped for
+  # another unnoticed.
+  rng = np.random.default_rng(11)
+  poses = rng.normal(size=(2, 3, 5, 3, 4))  # [B, N, I, P, Q]
+  weights = rng.normal(size=(5, 6, 4, 2))  # [I, O, Q, R]
+  cotangent = rng.normal(size=(2, 3, 5, 6, 3 * 2))
+  g = cotangent.reshape(2, 3, 5, 6, 3, 2)
+  expected_poses = np.zeros_like(poses)
+  expected_weights = np.zeros_like(weights)
+  for b, n, i, j in itertools.product(range(2), range(3), range(5), range(6)):
+    expected_poses[b, n, i] += g[b, n, i, j] @ weights[i, j].T
+    expected_weights[i, j] += poses[b, n, i].T @ g[b, n, i, j]
+  with jax.enable_x64(True):
+    grads = jax.jit(jax.grad(
+        lambda m, w: jnp.sum(votes.matrix_votes(m, w) * cotangent),
+        argnums=(0, 1)))(poses, weights)
+  np.testing.assert_allclose(grads[0], expected_poses, rtol=1e-12,
+                             atol=1e-12)
+  np.testing.assert_allclose(grads[1], expected_weights, rtol=1e-12,
+                             atol=1e-12)
+
+
 def test_vote_transforms_reject_bad_shapes():
   with pytest.raises(ValueError, match='vector_votes'):
     votes.vector_votes(np.zeros((2, 5, 4)), np.zeros((5, 3, 3, 6)))
