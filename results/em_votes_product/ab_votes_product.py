@@ -76,26 +76,27 @@ def main():
     for batch in map(int, batches.split(',')):
       steps = {name: compiled_step(spec, batch, args.dtype, VARIANTS[name])
                for name in names}
-      metrics = {name: c(*a)[1] for name, (c, a) in steps.items()}
+      metrics = {name: step(*inputs)[1]
+                 for name, (step, inputs) in steps.items()}
       base = metrics[names[0]]
       wall = {name: [] for name in steps}
       cpu = {name: [] for name in steps}
       for _ in range(args.rounds):
-        for name, (c, a) in steps.items():
+        for name, (step, inputs) in steps.items():
           t, u = time.perf_counter(), time.process_time()
           for _ in range(args.steps):
-            jax.block_until_ready(c(*a))
+            jax.block_until_ready(step(*inputs))
           wall[name].append((time.perf_counter() - t) / args.steps)
           cpu[name].append((time.process_time() - u) / args.steps)
-      w = {k: statistics.median(v) for k, v in wall.items()}
-      c = {k: statistics.median(v) for k, v in cpu.items()}
+      wall_s = {k: statistics.median(v) for k, v in wall.items()}
+      cpu_s = {k: statistics.median(v) for k, v in cpu.items()}
       parts = []
       for name in names:
         m = metrics[name]
         parts.append(
-            f'{name} {w[name]:.4f} s/step (cpu {c[name]:.4f}; '
-            f'{w[names[0]] / w[name]:.2f}x wall, '
-            f'{c[names[0]] / c[name]:.2f}x cpu of {names[0]}; loss '
+            f'{name} {wall_s[name]:.4f} s/step (cpu {cpu_s[name]:.4f}; '
+            f'{wall_s[names[0]] / wall_s[name]:.2f}x wall, '
+            f'{cpu_s[names[0]] / cpu_s[name]:.2f}x cpu of {names[0]}; loss '
             f'{float(m["loss"]):.6f}, gradient norm '
             f'{float(m["grad_norm"]):.6f}, relative to {names[0]}: '
             f'{abs(float(m["loss"]) / float(base["loss"]) - 1):.1e} / '
