@@ -191,9 +191,20 @@ def test_paper_suite_order_and_data_flags():
                        'two_digit_transfer', 'multimnist']
   # Section 7's other datasets last, each only with its directory.
   assert names[-3:] == ['capsnet_smallnorb', 'capsnet_svhn', 'capsnet_cifar10']
-  assert len(names) == len(set(names)) == 15
+  assert len(names) == len(set(names)) == 18
   commands = {e.name: _flags(reproduce.command(e, '/w', options))
               for e in experiments}
+  # The first row is the official code's form; the text's form and a
+  # second seed of each are the check on it, at the same protocol.
+  for name, variant, seed in (('capsnet_mnist', '', None),
+                              ('capsnet_mnist_text', ':text', None),
+                              ('capsnet_mnist_seed1', '', '1'),
+                              ('capsnet_mnist_text_seed1', ':text', '1')):
+    assert commands[name]['config'].endswith('capsnet_mnist.py' + variant)
+    assert commands[name].get('config.seed') == seed
+    assert commands[name]['config.data_dir'] == '/data'
+  assert not {'capsnet_mnist_text', 'capsnet_mnist_seed1'} & {
+      e.name for e in reproduce.suite_experiments('smoke')}
   assert commands['affnist']['config.affnist_dir'] == '/affnist'
   assert commands['smallnorb']['config.data_dir'] == '/norb'
   assert commands['capsnet_fashion_mnist']['config.data_dir'] == '/data'
@@ -254,6 +265,29 @@ def test_readme_block_is_replaced_and_a_missing_block_is_named(tmp_path):
   (tmp_path / 'plain.md').write_text('# no block\n')
   with pytest.raises(ValueError, match='has no <!-- reproduction:begin -->'):
     reproduce.update_readme(str(tmp_path / 'plain.md'), '| new |\n')
+
+
+def test_readme_gets_every_finished_row_and_a_finished_run_keeps_its_command(
+    tmp_path, fake_suite):
+  fake_suite += [_fake('a', 2), _fake('b', 2), _fake('c', 2)]
+  readme = tmp_path / 'README.md'
+  readme.write_text(f'{reproduce.README_BEGIN}\n{reproduce.README_END}\n')
+  workdir = tmp_path / 'suite'
+  assert reproduce.run_suite(str(workdir), 'paper', only=['b'],
+                             readme=str(readme)) == 0
+  state = _state(workdir)
+  # A run that finished keeps the command that ran it, whatever the
+  # config path is now.
+  state['experiments']['b']['command'] = 'python -m ran --this'
+  (workdir / 'reproduction.json').write_text(json.dumps(state))
+  assert reproduce.run_suite(str(workdir), 'paper', only=['a'],
+                             readme=str(readme)) == 0
+  assert _state(workdir)['experiments']['b']['command'] == (
+      'python -m ran --this')
+  # Both finished rows, in suite order; c never ran.
+  table = readme.read_text()
+  assert table.index('| row a |') < table.index('| row b |')
+  assert '| row c |' not in table and '| c |' not in table
 
 
 def test_finished_only_table_keeps_unfinished_rows_out():
