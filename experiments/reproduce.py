@@ -532,6 +532,7 @@ class _Child:
     out = getattr(sys.stdout, 'buffer', None)
     while chunk := os.read(self.process.stdout.fileno(), 65536):
       self._log.write(chunk)
+      self._log.flush()  # `tail -f` of the log follows a run of hours
       if out is None:
         sys.stdout.write(chunk.decode(errors='replace'))
       else:

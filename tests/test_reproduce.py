@@ -88,6 +88,25 @@ def test_time_limit_stops_the_running_experiment_and_a_rerun_finishes(
   assert _state(tmp_path)['experiments']['a']['calls'] == 2
 
 
+def test_the_log_is_written_as_the_experiment_runs(tmp_path, fake_suite):
+  fake_suite += [_fake('a', 60, step_s=0.05)]
+  log, summary = tmp_path / 'a' / 'reproduce.log', tmp_path / 'a' / 'summary.json'
+  seen_while_running = []
+
+  def watch():
+    while not summary.exists():
+      if log.exists() and 'starting at step 0' in log.read_text():
+        seen_while_running.append(not summary.exists())
+        return
+      time.sleep(0.02)
+
+  watcher = threading.Thread(target=watch)
+  watcher.start()
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 0
+  watcher.join()
+  assert seen_while_running == [True]  # not only once it has ended
+
+
 def test_a_failure_is_recorded_with_its_log_and_the_rest_still_runs(
     tmp_path, fake_suite):
   fake_suite += [_fake('broken', 3, fail=True), _fake('fine', 3)]
