@@ -29,21 +29,26 @@ with its output in WORKDIR/<name>/reproduce.log. It resumes from its own
 checkpoints, so a rerun continues where the last call stopped and skips
 what is finished. ``--max_seconds=N`` stops the call after N seconds: the
 running experiment gets SIGTERM, saves a checkpoint of its current step and
-exits (allow a minute for that within a hard limit). Every call rewrites
-WORKDIR/reproduction.json and WORKDIR/REPRODUCTION.md: per row the paper's
-number, ours (test, with validation beside it), steps, epochs, wall time
-(all calls added up), images/s, device and commit. ``--readme=README.md``
-also writes the table of the suite's finished rows (all of them, whatever
-``--only`` selects) between the README's
-``<!-- reproduction:begin -->`` and ``<!-- reproduction:end -->`` lines;
-with --suite=bench, ``--benchmarks=BENCHMARKS.md`` writes its table there
-under the device's name.
+exits; one still running 50 s later is killed and resumes from its last
+periodic checkpoint (so allow a minute for that within a hard limit).
+Every call rewrites WORKDIR/reproduction.json (also as each experiment
+ends) and WORKDIR/REPRODUCTION.md: per row the paper's number, ours (test,
+with validation beside it), steps, epochs, wall time (all calls added up),
+the last call's training images/s, device and commit.
+``--readme=README.md`` (paper suite) also writes the table of the suite's
+finished rows (all of them, whatever ``--only`` selects; nothing while
+none has finished) between the README's ``<!-- reproduction:begin -->``
+and ``<!-- reproduction:end -->`` lines; with --suite=bench,
+``--benchmarks=BENCHMARKS.md`` writes its table there under the device's
+name.
 
-Exit status: 0 when every selected experiment is finished (or skipped for
-want of its data), 3 when --max_seconds stopped the call with work left
-(rerun the same command), 130/143 on Ctrl-C/SIGTERM (the running experiment
-saves first), 2 when an experiment failed (its log is named) or on a usage
-error.
+Exit status: 0 when every selected experiment is finished, skipped for want
+of its data, or waits for an experiment --only left out (the summary line
+names what is left), 3 when --max_seconds stopped the call with work left
+(rerun the same command), 130/143/129 on Ctrl-C/SIGTERM/SIGHUP (the
+running experiment saves first; SIGHUP stays ignored under ``nohup``), 2
+when an experiment failed (its log is named; a failure outranks the time
+limit) or on a usage error.
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ EXIT_TIME_LIMIT = 3
 README_BEGIN, README_END = '<!-- reproduction:begin -->', '<!-- reproduction:end -->'
 # After SIGTERM an experiment saves its checkpoint and exits; past this it is
 # killed (its previous checkpoint stays the latest).
-STOP_GRACE_S = 120.0
+# How long a stopping experiment may take to save and exit before it is
+# killed (it then resumes from its last periodic checkpoint): saving takes
+# seconds, and the docs tell a hard-limited window to leave a minute.
+STOP_GRACE_S = 50.0
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -244,7 +252,13 @@ def _adversarial_rows(workdir: str) -> list[dict[str, Any]]:
   epsilon = summary['epsilons'][-1]
   rows = []
   for name, record in summary['models'].items():
-    trained = _read(os.path.join(record['workdir'], 'summary.json'))
+    trained_dir = record['workdir']
+    if not os.path.isdir(trained_dir):
+      # The suite's workdir has moved (copied back from a GPU machine):
+      # the trained models sit beside this experiment.
+      trained_dir = os.path.join(os.path.dirname(workdir),
+                                 os.path.basename(trained_dir))
+    trained = _read(os.path.join(trained_dir, 'summary.json'))
     rows.append({
         'row': f'BIM at epsilon {epsilon}, {name}', 'metric': 'accuracy',
         'paper': 'capsules less vulnerable than a CNN (smallNORB)',
@@ -523,21 +537,33 @@ class _Child:
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
         start_new_session=True)
     self._signalled = False
+    self.log_error: OSError | None = None
     self._copy = threading.Thread(target=self._copy_output, daemon=True)
     self._copy.start()
 
   def _copy_output(self) -> None:
     # Bytes as they come (progress bars redraw with \r); a notebook's
-    # stdout takes text only.
+    # stdout takes text only. The pipe is read to its end whatever happens
+    # to the log (a full disk) or the terminal (closed): a child whose
+    # pipe nobody reads blocks in its next print and never saves.
     out = getattr(sys.stdout, 'buffer', None)
+    to_log = to_terminal = True
     while chunk := os.read(self.process.stdout.fileno(), 65536):
-      self._log.write(chunk)
-      self._log.flush()  # `tail -f` of the log follows a run of hours
-      if out is None:
-        sys.stdout.write(chunk.decode(errors='replace'))
-      else:
-        out.write(chunk)
-      sys.stdout.flush()
+      if to_log:
+        try:
+          self._log.write(chunk)
+          self._log.flush()  # `tail -f` of the log follows a run of hours
+        except OSError as e:
+          to_log, self.log_error = False, e
+      if to_terminal:
+        try:
+          if out is None:
+            sys.stdout.write(chunk.decode(errors='replace'))
+          else:
+            out.write(chunk)
+          sys.stdout.flush()
+        except (OSError, ValueError):
+          to_terminal = False
 
   def signal_once(self, signum: int) -> None:
     """Ask it to save and stop. Once only: a second signal stops a training
@@ -557,12 +583,16 @@ class _Child:
 
   def close(self) -> int:
     self._copy.join()
-    self._log.close()
+    try:
+      self._log.close()
+    except OSError as e:
+      self.log_error = self.log_error or e
     return self.process.returncode
 
 
 class _Signals:
-  """SIGINT/SIGTERM to the suite: remembered, and passed on to the child."""
+  """SIGINT, SIGTERM or SIGHUP to the suite: remembered, and passed on to
+  the child."""
 
   def __init__(self):
     self.signum = None
@@ -574,8 +604,9 @@ class _Signals:
       self.child.signal_once(signum)
 
   def __enter__(self) -> _Signals:
+    from capsjax.training import checkpoints
     self._previous = {s: signal.signal(s, self._handle)
-                      for s in (signal.SIGINT, signal.SIGTERM)}
+                      for s in checkpoints.stop_signals()}
     return self
 
   def __exit__(self, *exc_info) -> None:
@@ -594,10 +625,50 @@ def _load_state(path: str, suite: str) -> dict[str, Any]:
   return state
 
 
+def _update_rows(experiment: Experiment, workdir: str,
+                 record: dict[str, Any]) -> None:
+  """``record``'s status and rows from what WORKDIR/<name> holds now."""
+  if finished(experiment, workdir):
+    record['status'] = 'finished'
+  elif record['status'] == 'finished':
+    record['status'] = (f'its {experiment.result} is gone; rerun to run it '
+                        f'again')
+  record['rows'] = []
+  record.pop('rows_error', None)
+  if record['status'] != 'finished':
+    return
+  try:
+    record['rows'] = experiment.rows(os.path.join(workdir, experiment.name))
+  except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+    # One unreadable record must not stop the others' tables.
+    record['rows_error'] = f'{type(e).__name__}: {e}'
+
+
+def _write_atomic(path: str, text: str) -> None:
+  """``text`` into ``path`` through a temporary file: a kill or a full disk
+  mid-write leaves the old file whole."""
+  tmp = f'{path}.tmp{os.getpid()}'
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _say(line: str) -> None:
+  """Print, but never fail a suite for a closed terminal (a hangup)."""
+  try:
+    print(line, flush=True)
+  except (OSError, ValueError):
+    pass
+
+
 def run_suite(workdir: str, suite: str, *, only: list[str] = (),
               max_seconds: float = 0.0, options: Options | None = None,
               readme: str = '', benchmarks: str = '',
-              log: Callable[[str], None] = print) -> int:
+              log: Callable[[str], None] = _say) -> int:
   """Run (or continue) the suite in ``workdir``; the exit status.
 
   The suite holds ``workdir`` (``checkpoints.hold_workdir``; no JAX backend
@@ -628,6 +699,18 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
     state['experiments'].setdefault(
         experiment.name, {'status': 'not started', 'wall_s': 0.0, 'calls': 0})
   status = 0
+
+  def time_limit() -> int:
+    return status if status == 2 else EXIT_TIME_LIMIT  # a failure first
+
+  def save() -> None:
+    # The commit alone: metrics.environment() would start a JAX backend
+    # here, and on a GPU this process would then hold the memory its
+    # experiments need.
+    state.update(commit=metrics.git_commit(), updated=time.strftime(
+        '%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
+    metrics.write_json_atomic(state_path, state)
+
   with _Signals() as signals:
     for experiment in experiments:
       record = state['experiments'][experiment.name]
@@ -650,7 +733,7 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
         continue
       if deadline is not None and time.monotonic() >= deadline:
         record['status'] = 'not started: time limit'
-        status = EXIT_TIME_LIMIT
+        status = time_limit()
         continue
       log(f'=== {experiment.name}: {record["command"]}')
       began = time.monotonic()
@@ -672,44 +755,49 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
       signals.child = None
       record['wall_s'] += time.monotonic() - began
       record['calls'] += 1
+      if child.log_error is not None:
+        log(f'=== {experiment.name}: its log could not be written '
+            f'({child.log_error}); its output went to this terminal only')
       if finished(experiment, workdir):
         record['status'] = 'finished'
-      elif timed_out:
+      elif timed_out and code in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
         record['status'] = 'stopped at the time limit; rerun to continue'
-        status = EXIT_TIME_LIMIT
+        status = time_limit()
+      elif timed_out and code == -signal.SIGKILL:
+        record['status'] = (f'killed at the time limit after {STOP_GRACE_S:.0f}'
+                            f' s of stopping; rerun to continue from its last '
+                            f'checkpoint')
+        status = time_limit()
       elif signals.signum is not None:
         record['status'] = 'interrupted; rerun to continue'
       else:
         record['status'] = (f'failed (exit {code}); see '
                             f'{os.path.join(exp_dir, "reproduce.log")}')
-        status = status or 2
+        status = 2
       log(f'=== {experiment.name}: {record["status"]} '
           f'({time.monotonic() - began:.0f} s)')
+      # Recorded as each experiment ends: a suite killed later (a hard
+      # window limit) keeps this call's wall time.
+      save()
       if signals.signum is not None:
         break
-    for experiment in experiments:
-      record = state['experiments'][experiment.name]
-      exp_dir = os.path.join(workdir, experiment.name)
-      record['rows'] = (experiment.rows(exp_dir)
-                        if record['status'] == 'finished' else [])
-    # The commit alone: metrics.environment() would start a JAX backend
-    # here, and on a GPU this process would then hold the memory its
-    # experiments need.
-    state.update(commit=metrics.git_commit(), updated=time.strftime(
-        '%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
-    metrics.write_json_atomic(state_path, state)
-    table = markdown(state, [e.name for e in experiments])
-    with open(os.path.join(workdir, 'REPRODUCTION.md'), 'w') as f:
-      f.write(table)
-    # Every finished row of the suite, not only this call's --only: the
-    # README block is rewritten whole.
-    finished_rows = markdown(
-        state, [name for name in by_name if name in state['experiments']],
-        finished_only=True)
-    if readme:
-      update_readme(readme, finished_rows)
-    if benchmarks:
-      update_benchmarks(benchmarks, state, finished_rows)
+    # The records and tables cover the whole suite, not only this call's
+    # --only: the README block is rewritten whole, and an experiment may
+    # have finished, or lost its result, since it was last selected.
+    names = [name for name in by_name if name in state['experiments']]
+    for name in names:
+      _update_rows(by_name[name], workdir, state['experiments'][name])
+    save()
+    _write_atomic(os.path.join(workdir, 'REPRODUCTION.md'),
+                  markdown(state, names))
+    finished_rows = markdown(state, names, finished_only=True)
+    if any(state['experiments'][name]['status'] == 'finished'
+           for name in names):
+      # (without a finished row the README keeps what it says)
+      if readme:
+        update_readme(readme, finished_rows)
+      if benchmarks:
+        update_benchmarks(benchmarks, state, finished_rows)
   if signals.signum is not None:
     return 128 + signals.signum
   left = [e.name for e in experiments
@@ -741,7 +829,8 @@ def markdown(state: dict[str, Any], names: list[str],
             '|---|---|\n')
   else:
     head = ('| experiment | metric | paper | ours (test) | validation | steps '
-            '| epochs | wall time | img/s | device | commit | status |\n'
+            '| epochs | wall time | train img/s (last call) | device | commit '
+            '| status |\n'
             '|---|---|---|---|---|---|---|---|---|---|---|---|\n')
   lines = []
   for name in names:
@@ -749,6 +838,9 @@ def markdown(state: dict[str, Any], names: list[str],
     if record is None or (finished_only and record['status'] != 'finished'):
       continue
     rows = record.get('rows') or [{'row': name}]
+    status = record['status'] + (
+        f" (its record cannot be read: {record['rows_error']})"
+        if record.get('rows_error') else '')
     for row in rows:
       number = lambda key, spec: (  # noqa: E731
           '-' if row.get(key) is None else format(row[key], spec))
@@ -760,7 +852,7 @@ def markdown(state: dict[str, Any], names: list[str],
             f"{number('compile_s', '.1f')} | "
             f"{'-' if memory is None else f'{memory / 2**30:.2f}'} | "
             f"{number('fraction_of_peak', '.3f')} | {row.get('device', '-')} "
-            f"| {record['status']} |")
+            f"| {status} |")
         continue
       lines.append(
           f"| {row['row']} | {row.get('metric', '-')} | "
@@ -768,7 +860,7 @@ def markdown(state: dict[str, Any], names: list[str],
           f"{_percent(row.get('validation'))} | {row.get('steps', '-')} | "
           f"{number('epochs', '.2f')} | {_wall_time(record['wall_s'])} | "
           f"{number('images_per_s', '.1f')} | {row.get('device', '-')} | "
-          f"{(row.get('commit') or '-')[:7]} | {record['status']} |")
+          f"{(row.get('commit') or '-')[:7]} | {status} |")
   return head + '\n'.join(lines) + '\n'
 
 
@@ -787,8 +879,7 @@ def write_block(path: str, table: str, begin: str, end: str,
     text = f'{text.rstrip()}\n\n{heading}\n\n{begin}\n{end}\n'
     start, stop = text.find(begin), text.find(end)
   start += len(begin)
-  with open(path, 'w') as f:
-    f.write(text[:start] + '\n' + table + text[stop:])
+  _write_atomic(path, text[:start] + '\n' + table + text[stop:])
 
 
 def update_readme(path: str, table: str) -> None:
@@ -850,6 +941,10 @@ def main(argv):
   if _BENCHMARKS.value and _SUITE.value != 'bench':
     launcher.usage_error(ValueError('--benchmarks goes with --suite=bench '
                                     '(--readme takes the paper rows).'))
+  if _README.value and _SUITE.value != 'paper':
+    launcher.usage_error(ValueError(
+        "--readme goes with --suite=paper (README's block holds the paper "
+        'rows; --suite=bench writes --benchmarks=BENCHMARKS.md).'))
   if _LIST.value:
     launcher.run_command(argv, lambda: print(list_suite(
         _WORKDIR.value, _SUITE.value, _ONLY.value, options)))

@@ -3,8 +3,8 @@
   python -m tests.fake_experiment --workdir=W --steps=N [--step_s=S] [--fail]
 
 Like a training run it resumes (its step is kept in W/step.txt), saves
-(taking --save_s) and exits 130 / 143 on SIGINT / SIGTERM, stops without
-saving on a second signal, and writes W/summary.json when done; --fail
+(taking --save_s) and exits 130 / 143 / 129 on SIGINT / SIGTERM / SIGHUP,
+stops without saving on a second signal, and writes W/summary.json when done; --fail
 exits 1 at once.
 """
 
@@ -32,8 +32,9 @@ def main() -> None:
   step = int(open(step_file).read()) if os.path.exists(step_file) else 0
   print(f'fake experiment: starting at step {step}', flush=True)
   stop = []
-  for signum in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(signum, lambda signum, frame: stop.append(signum))
+  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(signum) != signal.SIG_IGN:
+      signal.signal(signum, lambda signum, frame: stop.append(signum))
   while step < args.steps:
     time.sleep(args.step_s)
     step += 1

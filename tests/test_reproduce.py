@@ -107,6 +107,33 @@ def test_the_log_is_written_as_the_experiment_runs(tmp_path, fake_suite):
   assert seen_while_running == [True]  # not only once it has ended
 
 
+def test_a_failure_outranks_the_time_limit_in_the_exit_status(tmp_path,
+                                                             fake_suite):
+  fake_suite += [_fake('broken', 3, fail=True), _fake('long', 1000)]
+  assert reproduce.run_suite(str(tmp_path), 'paper', max_seconds=1.0) == 2
+  state = _state(tmp_path)['experiments']
+  assert state['broken']['status'].startswith('failed (exit 1)')
+  assert state['long']['status'] == (
+      'stopped at the time limit; rerun to continue')
+
+
+def test_a_closed_terminal_loses_no_output_and_blocks_no_experiment(
+    tmp_path, fake_suite, monkeypatch):
+  class Closed:  # what a hangup leaves of the terminal
+    def write(self, data):
+      raise OSError(5, 'Input/output error')
+
+    def flush(self):
+      raise OSError(5, 'Input/output error')
+
+  monkeypatch.setattr(sys, 'stdout', Closed())
+  fake_suite += [_fake('a', 40, step_s=0.01), _fake('b', 2)]
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 0
+  for name, steps in (('a', 40), ('b', 2)):
+    log = (tmp_path / name / 'reproduce.log').read_text()
+    assert f'fake experiment: finished at step {steps}' in log, log
+
+
 def test_a_failure_is_recorded_with_its_log_and_the_rest_still_runs(
     tmp_path, fake_suite):
   fake_suite += [_fake('broken', 3, fail=True), _fake('fine', 3)]
@@ -140,16 +167,24 @@ def test_dependencies_wait_and_missing_data_skips(tmp_path, fake_suite):
   assert _state(tmp_path)['experiments']['attack']['status'] == 'finished'
 
 
+_HANGUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+@pytest.mark.parametrize('signum', [
+    signal.SIGINT,
+    # A closed terminal; under nohup SIGHUP stays ignored, so not here.
+    pytest.param(signal.SIGHUP, marks=pytest.mark.skipif(
+        _HANGUP_IGNORED, reason='SIGHUP is ignored (nohup)'))])
 def test_ctrl_c_is_passed_on_once_and_the_experiment_saves(tmp_path,
-                                                           fake_suite):
+                                                           fake_suite, signum):
   fake_suite += [_fake('long', 1000, step_s=0.05), _fake('next', 2)]
-  timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+  timer = threading.Timer(1.5, os.kill, (os.getpid(), signum))
   timer.start()
   try:
     status = reproduce.run_suite(str(tmp_path), 'paper')
   finally:
     timer.cancel()
-  assert status == 128 + signal.SIGINT
+  assert status == 128 + signum
   state = _state(tmp_path)['experiments']
   assert state['long']['status'] == 'interrupted; rerun to continue'
   assert state['next']['status'] == 'not started'
@@ -309,6 +344,49 @@ def test_readme_gets_every_finished_row_and_a_finished_run_keeps_its_command(
   assert '| row c |' not in table and '| c |' not in table
 
 
+def test_every_record_is_refreshed_and_the_readme_waits_for_a_finished_row(
+    tmp_path, fake_suite):
+  fake_suite += [_fake('a', 2), _fake('b', 2), _fake('long', 1000)]
+  readme = tmp_path / 'README.md'
+  progress = 'In progress: the hand-written state of a long run.\n'
+  readme.write_text(f'{reproduce.README_BEGIN}\n{progress}'
+                    f'{reproduce.README_END}\n')
+  workdir = tmp_path / 'suite'
+  assert reproduce.run_suite(str(workdir), 'paper', only=['long'],
+                             max_seconds=1.0, readme=str(readme)) == 3
+  assert progress in readme.read_text()  # nothing finished: kept
+  assert reproduce.run_suite(str(workdir), 'paper', only=['a', 'b'],
+                             readme=str(readme)) == 0
+  # b's result is removed (to run it again) and a's record is stale:
+  # a call that selects neither still refreshes both.
+  os.remove(workdir / 'b' / 'summary.json')
+  state = _state(workdir)
+  state['experiments']['a']['rows'][0]['test'] = 0.99
+  (workdir / 'reproduction.json').write_text(json.dumps(state))
+  reproduce.run_suite(str(workdir), 'paper', only=['long'], max_seconds=0.5,
+                      readme=str(readme))
+  state = _state(workdir)['experiments']
+  assert state['a']['rows'][0]['test'] == 0.25
+  assert state['b']['status'] == 'its summary.json is gone; rerun to run it again'
+  assert state['b']['rows'] == []
+  table = readme.read_text()
+  assert '| row a |' in table and '| row b |' not in table
+  assert '| long |' in (workdir / 'REPRODUCTION.md').read_text()
+
+
+def test_an_unreadable_record_is_named_and_the_rest_are_tabled(tmp_path,
+                                                               fake_suite):
+  def broken_rows(workdir):
+    raise KeyError('epsilons')
+  fake_suite += [_fake('a', 2)._replace(rows=broken_rows), _fake('b', 2)]
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 0
+  state = _state(tmp_path)['experiments']
+  assert state['a']['rows_error'] == "KeyError: 'epsilons'"
+  table = (tmp_path / 'REPRODUCTION.md').read_text()
+  assert "| a |" in table and "its record cannot be read: KeyError" in table
+  assert '| row b |' in table
+
+
 def test_finished_only_table_keeps_unfinished_rows_out():
   state = {'suite': 'paper', 'experiments': {
       'a': {'status': 'finished', 'wall_s': 4000.0, 'rows': [
@@ -344,6 +422,9 @@ def test_help_and_bad_flags_are_one_line(tmp_path):
       ((f'--workdir={tmp_path}', f'--data_dir={tmp_path / "none"}'),
        'is not a directory'),
       ((f'--workdir={tmp_path}', '--max_seconds=-1'), 'max_seconds'),
+      ((f'--workdir={tmp_path}', '--suite=smoke',
+        f'--readme={os.path.join(REPO, "README.md")}'),
+       '--readme goes with --suite=paper'),
   ):
     result = _cli(*args)
     assert result.returncode == 2, (args, result.stderr)

@@ -315,11 +315,27 @@ def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
     checkpoints.load_trained_model(workdir, 'final')
 
 
-@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+def test_a_run_under_nohup_keeps_ignoring_the_hangup():
+  previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+  try:
+    assert checkpoints.stop_signals() == (signal.SIGINT, signal.SIGTERM)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    assert checkpoints.stop_signals() == (signal.SIGINT, signal.SIGTERM,
+                                          signal.SIGHUP)
+  finally:
+    signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize('signum', [
+    signal.SIGINT, signal.SIGTERM,
+    pytest.param(signal.SIGHUP, marks=pytest.mark.skipif(
+        signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+        reason='SIGHUP is ignored here (nohup), and so in the run'))])
 def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
                                                         signum):
-  """Ctrl-C or a scheduler's SIGTERM: a checkpoint of the current step, one
-  line, exit 128 + signal; a rerun resumes there."""
+  """Ctrl-C, a scheduler's SIGTERM or a closed terminal's SIGHUP: a
+  checkpoint of the current step, one line, exit 128 + signal; a rerun
+  resumes there."""
   workdir = tmp_path / 'work'
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
   # Checkpoints every 1000 steps only: the saved step is the stop's.

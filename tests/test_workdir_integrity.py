@@ -318,6 +318,24 @@ def test_damaged_latest_checkpoint_is_said_and_the_run_resumes_from_the_good_one
     assert summary[key] == clean_summary[key], key
 
 
+def test_a_failed_resume_keeps_the_stored_config(tmp_path, tiny_data, trained):
+  """A rerun with an accepted change (more steps) on a workdir with no good
+  checkpoint: the clear error, and config.json still says what the
+  checkpoints were trained with."""
+  clean, _ = trained
+  work = _copy(clean, tmp_path, 'no_good')
+  os.remove(work / 'summary.json')  # as if stopped before its end
+  for step in ('6', '8'):
+    damage(work / 'checkpoints' / step /
+           array_files(work / 'checkpoints' / step)['arrays'], 'flip')
+  stored = (work / 'config.json').read_text()
+  with pytest.raises(checkpoints.CheckpointDamaged,
+                     match='^no good checkpoint in '):
+    vector_capsules.train_and_evaluate(_config(tiny_data, num_train_steps=10),
+                                       str(work))
+  assert (work / 'config.json').read_text() == stored
+
+
 @pytest.mark.parametrize('kind', KINDS)
 def test_damaged_best_checkpoint_is_never_tested(tmp_path, tiny_data, trained,
                                                  kind, monkeypatch, capsys):

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -158,6 +159,15 @@ def _acquire(path: str, purpose: str, shared: bool) -> int | None:
 def _write_holder(fd: int, purpose: str) -> None:
   os.ftruncate(fd, 0)
   os.pwrite(fd, _holder_record(purpose).encode(), 0)
+
+
+def stop_signals() -> tuple[int, ...]:
+  """The signals that ask a run to save its checkpoint and stop: SIGINT,
+  SIGTERM (a scheduler's warning) and SIGHUP (its terminal closed), unless
+  SIGHUP is ignored (``nohup``), which then stays ignored."""
+  hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (
+      signal.SIGHUP,)
+  return (signal.SIGINT, signal.SIGTERM) + hangup
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from capsjax.training import metrics as metrics_lib
 from capsjax.training.checkpoints import CheckpointDamaged
 from capsjax.training.checkpoints import Checkpointer
 from capsjax.training.checkpoints import hold_workdir
+from capsjax.training.checkpoints import stop_signals
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import BatchOrder
 from capsjax.training.sharding import all_agree
@@ -62,9 +63,10 @@ class TrainingStopped(KeyboardInterrupt):
 
 
 class _StopSignals:
-  """SIGINT and SIGTERM (a scheduler's warning before preemption) become a
-  request that the loop sees between steps; a second one stops at once.
-  Only the main thread can install handlers; elsewhere this does nothing."""
+  """SIGINT, SIGTERM (a scheduler's warning before preemption) and SIGHUP
+  (``checkpoints.stop_signals``) become a request that the loop sees between
+  steps; a second one stops at once. Only the main thread can install
+  handlers; elsewhere this does nothing."""
 
   def __init__(self):
     self.signum: int | None = None
@@ -78,7 +80,7 @@ class _StopSignals:
 
   def __enter__(self) -> _StopSignals:
     if threading.current_thread() is threading.main_thread():
-      for signum in (signal.SIGINT, signal.SIGTERM):
+      for signum in stop_signals():
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
@@ -312,8 +314,6 @@ class _Run:
     if warned:
       self.say(f'Warning: resuming with values that differ from the stored '
                f'config (the run is then no longer one protocol): {warned}.')
-    if self.chief:
-      metrics_lib.save_config(config, workdir)
     self.mesh = make_mesh(config.get('num_devices') or None)
     check_batch_size(config.batch_size, self.mesh)
     self.graphdef, state = init_train_state(create_model(config),
@@ -331,6 +331,10 @@ class _Run:
                f'in {workdir}.')
     else:
       self.say(f'Starting fresh in {workdir}.')
+    # Only now: a resume that failed leaves the config its checkpoints were
+    # trained with, which its error tells the user to use.
+    if self.chief:
+      metrics_lib.save_config(config, workdir)
     self.step = int(self.state.step)
     self.selecting = config.get('select_on_validation', True)
     self.best_record_path = os.path.join(workdir, 'best_validation.json')
