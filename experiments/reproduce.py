@@ -286,7 +286,7 @@ def _experiments(suite: str) -> list[Experiment]:
   smoke = suite == 'smoke'
   entries = [
       _training('capsnet_mnist', 'CapsNet, 3 iterations + reconstruction, '
-                "MNIST (the official code's form)", '0.25%', 'capsnet_mnist.py',
+                "MNIST, the official code's form", '0.25%', 'capsnet_mnist.py',
                 'capsnet_mnist.py:smoke'),
       _training('matrix_capsnet_mnist', 'Matrix capsules (A=B=C=D=32), MNIST',
                 '0.44%', 'matrix_capsnet_mnist.py',
@@ -364,7 +364,7 @@ def _form_ablation() -> list[Experiment]:
            ('--config.seed=1',)),
           ('capsnet_mnist_text_seed1', "the paper text's form, seed 1",
            ':text', ('--config.seed=1',)))
-  return [_training(name, f'{title} ({form})', '0.25%',
+  return [_training(name, f'{title}, {form}', '0.25%',
                     'capsnet_mnist.py' + variant,
                     'capsnet_mnist.py:smoke' + variant.replace(':', ','),
                     paper_overrides=seed)['paper']

@@ -540,8 +540,8 @@ def test_smoke_suite_stops_on_sigterm_resumes_and_finishes(tmp_path):
   assert state['capsnet_mnist']['calls'] == 2
   rows = {row['row']: row for name in names for row in state[name]['rows']}
   # A smoke row names the configuration that ran.
-  capsnet = rows['CapsNet, 3 iterations + reconstruction, MNIST (reduced: '
-                 'capsnet_mnist.py:smoke)']
+  capsnet = rows["CapsNet, 3 iterations + reconstruction, MNIST, the official "
+                 "code's form (reduced: capsnet_mnist.py:smoke)"]
   summary = json.load(open(workdir / 'capsnet_mnist' / 'summary.json'))
   assert capsnet['test'] == summary['test']['error']
   assert capsnet['validation'] == summary['validation']['error']
