@@ -644,19 +644,6 @@ def _update_rows(experiment: Experiment, workdir: str,
     record['rows_error'] = f'{type(e).__name__}: {e}'
 
 
-def _write_atomic(path: str, text: str) -> None:
-  """``text`` into ``path`` through a temporary file: a kill or a full disk
-  mid-write leaves the old file whole."""
-  tmp = f'{path}.tmp{os.getpid()}'
-  try:
-    with open(tmp, 'w') as f:
-      f.write(text)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-
-
 def _say(line: str) -> None:
   """Print, but never fail a suite for a closed terminal (a hangup)."""
   try:
@@ -788,8 +775,8 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
     for name in names:
       _update_rows(by_name[name], workdir, state['experiments'][name])
     save()
-    _write_atomic(os.path.join(workdir, 'REPRODUCTION.md'),
-                  markdown(state, names))
+    metrics.write_text_atomic(os.path.join(workdir, 'REPRODUCTION.md'),
+                              markdown(state, names))
     finished_rows = markdown(state, names, finished_only=True)
     if any(state['experiments'][name]['status'] == 'finished'
            for name in names):
@@ -878,8 +865,9 @@ def write_block(path: str, table: str, begin: str, end: str,
                        f'table into; add the two lines where it belongs.')
     text = f'{text.rstrip()}\n\n{heading}\n\n{begin}\n{end}\n'
     start, stop = text.find(begin), text.find(end)
+  from capsjax.training import metrics
   start += len(begin)
-  _write_atomic(path, text[:start] + '\n' + table + text[stop:])
+  metrics.write_text_atomic(path, text[:start] + '\n' + table + text[stop:])
 
 
 def update_readme(path: str, table: str) -> None:

@@ -159,15 +159,22 @@ def flat_config(tree: Any, prefix: str = '') -> dict[str, Any]:
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """``workdir/config.json``, written atomically."""
   path = os.path.join(workdir, 'config.json')
-  text = config.to_json_best_effort(indent=2, sort_keys=True)
+  write_text_atomic(path, config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """``text`` into ``path`` through ``path.tmp``: a kill or a full disk
+  mid-write leaves the old file whole."""
   tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(payload, f, indent=2, sort_keys=True, default=str)
-  os.replace(tmp, path)
+  write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True,
+                                     default=str))
