@@ -1,4 +1,4 @@
-"""Plain PyTorch references of capsjax's models, for CPU speed comparisons.
+"""Plain PyTorch references of capsjax's models, for speed comparisons.
 
     python -m experiments.benchmark --model=capsnet_mnist --compare=torch
 
@@ -7,13 +7,13 @@ capsjax model of the same name (same shapes, same FLOPs): it is what a
 PyTorch user would write, not a port of capsjax's code. Only
 ``experiments.benchmark`` imports this module, and only with
 ``--compare=torch``; torch is the optional extra ``pip install -e
-'.[bench]'``. ``train_step_fn`` runs a reference in one of PyTorch's CPU
-modes (``TORCH_MODES``): eager or ``torch.compile``d forward and backward,
-float32 or under bfloat16 autocast (mixed precision: float32 parameters
-and Adam, the loss in float32). The matrix-capsule reference covers the
-routing options the shipped EM configs use (the paper's activation,
-within-window E-step); other options raise rather than time a different
-model.
+'.[bench]'``. ``train_step_fn`` runs a reference on the CPU or a CUDA GPU
+in one of PyTorch's modes (``TORCH_MODES``): eager or ``torch.compile``d
+forward and backward, float32 or under bfloat16 autocast (mixed
+precision: float32 parameters and Adam, the loss in float32). The
+matrix-capsule reference covers the routing options the shipped EM configs
+use (the paper's activation, within-window E-step); other options raise
+rather than time a different model.
 
 Shape legend: B batch, I input capsules, J (or O) output capsules, D
 dimensions.
@@ -41,7 +41,7 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int, *,
                     accumulate: bool = True, squash_constant: float = 1.0,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
   """Sabour et al.'s routing: u_hat [B, I, J, D] -> v [B, J, D]."""
-  logits = torch.zeros(u_hat.shape[:3], dtype=u_hat.dtype)
+  logits = torch.zeros(u_hat.shape[:3], dtype=u_hat.dtype, device=u_hat.device)
   for r in range(iterations):
     c = F.softmax(logits, dim=2)
     s = (c.unsqueeze(-1) * u_hat).sum(1)
@@ -318,9 +318,11 @@ class MatrixCapsNet(nn.Module):
     votes = torch.einsum('bhwcpq,coqr->bhwcopr', poses.unflatten(-1, (4, 4)),
                          self.class_weights).flatten(-2)
     if self.coordinate_addition:  # the scaled centre of each position
-      offsets = torch.zeros(h, w, 1, 1, 16)
-      offsets[..., 0] = ((torch.arange(h) + 0.5) / h).view(h, 1, 1, 1)
-      offsets[..., 1] = ((torch.arange(w) + 0.5) / w).view(1, w, 1, 1)
+      offsets = torch.zeros(h, w, 1, 1, 16, device=votes.device)
+      rows = torch.arange(h, device=votes.device)
+      cols = torch.arange(w, device=votes.device)
+      offsets[..., 0] = ((rows + 0.5) / h).view(h, 1, 1, 1)
+      offsets[..., 1] = ((cols + 0.5) / w).view(1, w, 1, 1)
       votes = votes + offsets
     _, a = em_routing(votes.reshape(batch, h * w * d, votes.shape[-2], 16),
                       acts.reshape(batch, -1), self.beta_u, self.beta_a,
@@ -356,7 +358,7 @@ def loss(outputs: dict[str, torch.Tensor], images: torch.Tensor,
   return _margin_loss(outputs['scores'], labels, 0.25).mean()
 
 
-# PyTorch's CPU modes, as (torch.compile the forward and backward pass,
+# PyTorch's modes, as (torch.compile the forward and backward pass,
 # bfloat16 autocast).
 TORCH_MODES: dict[str, tuple[bool, bool]] = {
     'eager_float32': (False, False),
@@ -387,17 +389,24 @@ def train_step_fn(model_name: str, options: dict, batch_size: int,
                   learning_rate: float, reconstruction_weight: float,
                   num_threads: int, seed: int = 0,
                   weight_decay: float = 0.0,
-                  mode: str = 'eager_float32') -> Callable[[], float]:
+                  mode: str = 'eager_float32',
+                  device: str = 'cpu') -> Callable[[], float]:
   """A callable doing one full train step (forward, backward, Adam) on a
-  fixed random batch on the CPU in ``mode`` (``TORCH_MODES``); returns the
-  loss. With 'compile_*' the first call compiles (``torch.compile``'s
-  errors surface there)."""
+  fixed random batch on ``device`` ('cpu' or 'cuda') in ``mode``
+  (``TORCH_MODES``); returns the loss, which waits for the device. With
+  'compile_*' the first call compiles (``torch.compile``'s errors surface
+  there)."""
   if model_name not in MODELS:
     raise ValueError(f'no PyTorch reference of {model_name!r}; references: '
                      f'{", ".join(sorted(MODELS))}.')
   if mode not in TORCH_MODES:
     raise ValueError(f'mode must be one of {", ".join(TORCH_MODES)}, got '
                      f'{mode!r}.')
+  if device not in ('cpu', 'cuda'):
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}.")
+  if device == 'cuda' and not torch.cuda.is_available():
+    raise ValueError('device cuda: this PyTorch sees no CUDA GPU '
+                     f'(torch {torch.__version__}); compare on the CPU.')
   compiled, bfloat16 = TORCH_MODES[mode]
   torch.set_num_threads(num_threads)
   torch.manual_seed(seed)
@@ -409,17 +418,17 @@ def train_step_fn(model_name: str, options: dict, batch_size: int,
     # name's default options have none: the images' shape.
     height, width, channels = options.get('input_shape', image_shape)
     options = options | {'input_shape': (height, width, channels)}
-  model = MODELS[model_name](**options)
+  model = MODELS[model_name](**options).to(device)
   # The L2 penalty of capsjax's EM step: matrices and kernels, not biases.
   penalized = [p for p in model.parameters() if p.ndim > 1]
   model.train()
   optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
-  images = torch.rand(batch_size, channels, height, width)
-  labels = torch.randint(0, num_classes, (batch_size,))
+  images = torch.rand(batch_size, channels, height, width, device=device)
+  labels = torch.randint(0, num_classes, (batch_size,), device=device)
   labels_images = images.permute(0, 2, 3, 1)  # reconstruction targets, HWC
 
   def loss_of(images, labels, labels_images):
-    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=bfloat16):
       outputs = model(images, labels)
     value = loss(_as_float32(outputs), labels_images, labels,
                  reconstruction_weight)

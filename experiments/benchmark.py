@@ -41,8 +41,9 @@ parameters and optimiser, bfloat16 copies of the parameters and images for
 the forward and backward pass (routing keeps its statistics in float32).
 
 ``--compare=torch`` times the model's PyTorch reference
-(``benchmarks/torch_models.py``) in PyTorch's CPU modes (``--torch_modes``:
-eager and ``torch.compile``, float32 and bfloat16 autocast) against capsjax
+(``benchmarks/torch_models.py``) in PyTorch's modes (``--torch_modes``:
+eager and ``torch.compile``, float32 and bfloat16 autocast), on the CUDA GPU
+when JAX computes on a GPU and on the CPU otherwise, against capsjax
 in its compute dtypes (``--compare_dtypes``), in ``--rounds`` rounds that
 alternate over every mode so that each sees the same machine; each mode's
 median round is reported. The row leads with capsjax's best mode against
@@ -137,7 +138,7 @@ _COMPARE = flags.DEFINE_enum(
     'of the model (benchmarks/torch_models.py; pip install -e \'.[bench]\') '
     'in the same process, in its modes (--torch_modes), alternating with '
     'capsjax in its dtypes (--compare_dtypes), and report the ratios.')
-# PyTorch's CPU modes (benchmarks/torch_models.py TORCH_MODES), named here
+# PyTorch's modes (benchmarks/torch_models.py TORCH_MODES), named here
 # so that the flags need no torch.
 TORCH_MODES = ('eager_float32', 'compile_float32', 'eager_bfloat16',
                'compile_bfloat16')
@@ -368,7 +369,8 @@ def environment() -> dict[str, Any]:
 def torch_train_step(config: ml_collections.ConfigDict, seed: int,
                      mode: str = 'eager_float32') -> Callable[[], Any]:
   """One train step of the model's PyTorch reference in ``mode``
-  (``TORCH_MODES``) on the CPU threads this process may use
+  (``TORCH_MODES``) on the kind of device JAX computes on: the CUDA GPU
+  when JAX's backend is a GPU, else the CPU threads this process may use
   (benchmarks/torch_models.py)."""
   try:
     from benchmarks import torch_models
@@ -381,7 +383,8 @@ def torch_train_step(config: ml_collections.ConfigDict, seed: int,
       image_shape(config), num_classes(config), config.learning_rate,
       config.get('reconstruction_weight', 0.0),
       num_threads=len(os.sched_getaffinity(0)), seed=seed,
-      weight_decay=config.get('weight_decay', 0.0), mode=mode)
+      weight_decay=config.get('weight_decay', 0.0), mode=mode,
+      device='cuda' if jax.default_backend() == 'gpu' else 'cpu')
 
 
 def check_modes(torch_modes, compare_dtypes) -> None:

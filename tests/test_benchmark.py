@@ -356,3 +356,36 @@ def test_compare_torch_rows_with_every_mode(monkeypatch):
   assert 'PyTorch compile bfloat16 img/s' in table
   assert 'failed (see JSON)' in table
   json.dumps(rows)  # the JSON output holds every field
+
+
+def test_torch_reference_runs_on_the_device_jax_computes_on(monkeypatch):
+  """The PyTorch reference goes where JAX computes (CUDA beside a JAX GPU,
+  else the CPU), and a device PyTorch cannot use is a clear error."""
+  pytest.importorskip('torch')
+  import torch
+
+  from benchmarks import torch_models
+  seen = {}
+
+  def train_step_fn(*args, **kwargs):
+    seen.update(kwargs)
+    return lambda: 0.0
+
+  monkeypatch.setattr(torch_models, 'train_step_fn', train_step_fn)
+  config = benchmark.configure('capsnet_mnist:smoke', batch_size=2)
+  for backend, device in (('cpu', 'cpu'), ('gpu', 'cuda')):
+    monkeypatch.setattr(jax, 'default_backend', lambda b=backend: b)
+    benchmark.torch_train_step(config, 0, 'eager_float32')
+    assert seen['device'] == device
+  monkeypatch.undo()
+
+  args = ('capsnet', {'conv1_channels': 4, 'primary_types': 1,
+                      'decoder_widths': (8, 8)}, 2, (28, 28, 1), 10, 1e-3,
+          0.0005)
+  with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+    torch_models.train_step_fn(*args, num_threads=1, device='tpu')
+  if not torch.cuda.is_available():
+    with pytest.raises(ValueError, match='sees no CUDA GPU'):
+      torch_models.train_step_fn(*args, num_threads=1, device='cuda')
+  step = torch_models.train_step_fn(*args, num_threads=1, device='cpu')
+  assert math.isfinite(step()) and step() > 0
