@@ -144,6 +144,38 @@ def _check_iterations(num_iterations) -> None:
         f'unrolled statically), got {num_iterations!r}.')
 
 
+def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+  """y + bias along the last axis: y [..., F], bias [F] -> [..., F] in y's dtype.
+
+  The bias gradient, the cotangent summed over every other axis, is
+  accumulated in float32 whatever the dtype. Left to autodiff, a bfloat16
+  bias sums its gradient in bfloat16 on XLA:CPU: over a batch-128 26x26
+  convolution output that sum was off by 19% of its norm, and took about 10x
+  as long as the float32 sum.
+  """
+  if y.dtype == jnp.float32 and bias.dtype == jnp.float32:
+    return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))  # autodiff sums in f32
+  return _add_bias_f32_sum(y, bias)
+
+
+@jax.custom_vjp
+def _add_bias_f32_sum(y: jax.Array, bias: jax.Array) -> jax.Array:
+  return y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def _add_bias_fwd(y, bias):
+  # A size-0 array carries the bias dtype to the backward pass.
+  return _add_bias_f32_sum(y, bias), jnp.zeros((0,), bias.dtype)
+
+
+def _add_bias_bwd(bias_dtype_carrier, dy):
+  dbias = jnp.sum(dy.astype(jnp.float32), axis=tuple(range(dy.ndim - 1)))
+  return dy, dbias.astype(bias_dtype_carrier.dtype)
+
+
+_add_bias_f32_sum.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
 def average_pool_2x2(x: jax.Array) -> jax.Array:
   """Keras' AveragePooling2D(2): [B, H, W, C] -> [B, H // 2, W // 2, C] (an
   odd last row or column dropped).
@@ -203,7 +235,7 @@ class Conv2D(nnx.Module):
     if self.scale != 1.0:
       y = self.scale * y
     if self.bias is not None:
-      y = y + self.bias[...].reshape(1, 1, 1, -1)
+      y = add_bias(y, self.bias[...])
     return y
 
 
@@ -357,8 +389,7 @@ class SharedCapsules(nnx.Module):
 
 def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
   """[..., Cin] @ [Cin, F] + [F], broadcast explicitly (no rank promotion)."""
-  y = jnp.einsum('...c,cf->...f', x, kernel)
-  return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+  return add_bias(jnp.einsum('...c,cf->...f', x, kernel), bias)
 
 
 class MatrixPrimaryCapsules(nnx.Module):
