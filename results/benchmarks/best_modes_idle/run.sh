@@ -25,11 +25,11 @@ run() {  # name, then benchmark flags
   echo "$(date -u +%FT%TZ) end $name rc=$? wall_s=$(( $(date +%s) - t0 )) load=$(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/progress.log"
 }
 CMP="--compare=torch --rounds=3"
-# The issue's targets first: paper CapsNet at 64 and 128, Su's capsule model at 128.
+# The targets first: paper CapsNet at 64 and 128, Su's capsule model at 128.
 run capsnet_b64   --model=capsnet_mnist --batch_size=64 --steps=3 $CMP
 run capsnet_b128  --model=capsnet_mnist --batch_size=128 --steps=3 $CMP
 run su_b128       --model=two_digit_capsnet --batch_size=128 --steps=3 $CMP
-# The paper EM model (issue target: >= 1.5x at 8, 16 and 64).
+# The paper EM model at 8, 16 and 64.
 run em_b8         --model=matrix_capsnet_mnist --batch_size=8 --steps=2 $CMP
 run em_b16        --model=matrix_capsnet_mnist --batch_size=16 --steps=2 $CMP
 run em_b64        --model=matrix_capsnet_mnist --batch_size=64 --steps=1 $CMP

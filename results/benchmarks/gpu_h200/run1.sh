@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session: GPU timings of capsjax against PyTorch's modes, the
+# One GPU lease: timings of capsjax against PyTorch's modes, the
 # routing floors, a smoke training run and the routing tests.
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
