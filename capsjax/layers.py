@@ -50,6 +50,8 @@ from capsjax import routing
 from capsjax import votes as votes_lib
 from capsjax.conv import CONV_IMPLS
 from capsjax.conv import conv2d
+from capsjax.conv import dot_general as conv_dot_general
+from capsjax.conv.products import sum_rows_float32
 
 # The authors' released initialisation for matrix capsule layers
 # (google-research capsule_em: conv_capsule_mat / connector_capsule_mat).
@@ -169,8 +171,7 @@ def _add_bias_fwd(y, bias):
 
 
 def _add_bias_bwd(bias, dy):
-  dbias = jnp.sum(dy.astype(jnp.float32), axis=tuple(range(dy.ndim - 1)))
-  return dy, dbias.astype(bias.dtype)
+  return dy, sum_rows_float32(dy).astype(bias.dtype)
 
 
 _add_bias_f32_sum.defvjp(_add_bias_fwd, _add_bias_bwd)
@@ -375,7 +376,8 @@ class SharedCapsules(nnx.Module):
                  if use_bias else None)
 
   def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
-    u_hat = votes_lib.shared_vector_votes(inputs, self.weights[...])
+    u_hat = votes_lib.shared_vector_votes(inputs, self.weights[...],
+                                          dot_general=conv_dot_general)
     return routing.dynamic_routing(
         u_hat, self.num_iterations, accumulate=self.accumulate,
         leaky=self.leaky, squash_constant=self.squash_constant,

@@ -33,7 +33,8 @@ def vector_votes(inputs: ArrayLike, weights: ArrayLike) -> jax.Array:
   return jnp.einsum('...id,iode->...ioe', inputs, weights)
 
 
-def shared_vector_votes(inputs: ArrayLike, weights: ArrayLike) -> jax.Array:
+def shared_vector_votes(inputs: ArrayLike, weights: ArrayLike,
+                        dot_general=jax.lax.dot_general) -> jax.Array:
   """u_hat_j|i = W_j u_i with one W_j per output shared by every input.
 
   The parameter count does not depend on I, so a layer built on this accepts
@@ -42,15 +43,23 @@ def shared_vector_votes(inputs: ArrayLike, weights: ArrayLike) -> jax.Array:
   Args:
     inputs: [..., I, Din].
     weights: [O, Din, Dout].
+    dot_general: computes the one product [..., I, Din] @ [Din, O * Dout]
+      (``jax.lax.dot_general``'s signature), e.g. ``capsjax.conv.dot_general``,
+      which hands a large bfloat16 product to oneDNN on the CPU.
   Returns:
-    [..., I, O, Dout].
+    [..., I, O, Dout] in the promoted dtype of inputs and weights.
   """
   inputs, weights = jnp.asarray(inputs), jnp.asarray(weights)
   if weights.ndim != 3 or inputs.shape[-1] != weights.shape[1]:
     raise ValueError(
         f'shared_vector_votes: inputs [..., I, Din] = {inputs.shape} do not '
         f'match weights [O, Din, Dout] = {weights.shape}.')
-  return jnp.einsum('...id,ode->...ioe', inputs, weights)
+  out_caps, in_dim, out_dim = weights.shape
+  dtype = jnp.promote_types(inputs.dtype, weights.dtype)
+  flat = jnp.moveaxis(weights, 0, 1).reshape(in_dim, out_caps * out_dim)
+  votes = dot_general(inputs.astype(dtype), flat.astype(dtype),
+                      (((inputs.ndim - 1,), (0,)), ((), ())))
+  return votes.reshape(inputs.shape[:-1] + (out_caps, out_dim))
 
 
 def matrix_votes(poses: ArrayLike, weights: ArrayLike) -> jax.Array:

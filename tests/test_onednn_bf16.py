@@ -26,6 +26,7 @@ import pytest
 from capsjax import conv
 from capsjax import losses
 from capsjax import models
+from capsjax import votes
 from capsjax.conv import lowerings
 from capsjax.conv import onednn
 from capsjax.conv import products
@@ -306,6 +307,62 @@ def test_large_bfloat16_dense_products_go_to_onednn(monkeypatch):
   np.testing.assert_allclose(np.asarray(low, np.float32),
                              np.asarray(dense(x.astype(jnp.float32))),
                              rtol=0.02, atol=0.02)
+
+
+def test_shared_votes_go_to_onednn_in_bfloat16(monkeypatch):
+  """Su's shared-transform votes through conv.dot_general: in bfloat16 one
+  oneDNN matmul [B*I, Din] @ [Din, O*Dout], each vote within bfloat16 of
+  the float64 product of the rounded operands, and both gradients too; in
+  float32 XLA's product, the same values as the plain einsum."""
+  _native_bf16_or_skip()
+  monkeypatch.setattr(products, 'ONEDNN_MIN_MACS', 1000)
+  u, u64 = _bf16(0, (3, 7, 12))  # [B, I, Din]
+  w, w64 = _bf16(1, (5, 12, 4), 0.3)  # [O, Din, Dout]
+  dv, dv64 = _bf16(2, (3, 7, 5, 4))
+  shared = lambda u, w: votes.shared_vector_votes(
+      u, w, dot_general=conv.dot_general)
+  run = jax.jit(output_and_grads, static_argnums=0)
+  assert 'OnednnMatmul' in run.lower(shared, u, w, dv).as_text()
+  out, (gu, gw) = run(shared, u, w, dv)
+  assert out.shape == (3, 7, 5, 4) and out.dtype == gu.dtype == jnp.bfloat16
+  for name, value, ref, size in (
+      ('votes', out, np.einsum('bid,ode->bioe', u64, w64),
+       np.einsum('bid,ode->bioe', np.abs(u64), np.abs(w64))),
+      ('input gradient', gu, np.einsum('bioe,ode->bid', dv64, w64),
+       np.einsum('bioe,ode->bid', np.abs(dv64), np.abs(w64))),
+      ('weight gradient', gw, np.einsum('bid,bioe->ode', u64, dv64),
+       np.einsum('bid,bioe->ode', np.abs(u64), np.abs(dv64)))):
+    _assert_within_bf16(value, ref, size, name)
+  u32, w32 = u.astype(jnp.float32), w.astype(jnp.float32)
+  assert 'Onednn' not in jax.jit(shared).lower(u32, w32).as_text()
+  np.testing.assert_allclose(shared(u32, w32),
+                             jnp.einsum('bid,ode->bioe', u32, w32),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_row_sums_by_onednn_are_float32_sums(monkeypatch):
+  """sum_rows_float32 of a bfloat16 [..., F] (the bias gradients' sum) is
+  oneDNN's float32 sum: within float32 accumulation of the float64 sum,
+  where a bfloat16 accumulation would be off by whole percent; float32
+  input, or no native bfloat16, is XLA's float32 sum."""
+  _native_bf16_or_skip()
+  x, x64 = _bf16(0, (64, 26, 26, 8))  # 43,264 rows
+  summed = jax.jit(products.sum_rows_float32)
+  assert 'OnednnMatmul' in summed.lower(x).as_text()
+  out = summed(x)
+  assert out.shape == (8,) and out.dtype == jnp.float32
+  ref, size = x64.sum((0, 1, 2)), np.abs(x64).sum((0, 1, 2))
+  assert np.all(np.abs(np.asarray(out, np.float64) - ref) <= 1e-5 * size)
+  # The cotangent of a ReLU'd convolution output, with zeros: the same.
+  relu = jnp.maximum(x, 0)
+  np.testing.assert_allclose(summed(relu), np.maximum(x64, 0).sum((0, 1, 2)),
+                             rtol=1e-5)
+  wide = x.astype(jnp.float32)
+  assert 'Onednn' not in summed.lower(wide).as_text()
+  np.testing.assert_allclose(summed(wide), ref, rtol=1e-5)
+  monkeypatch.setattr(onednn, 'native_bf16', lambda: False)
+  assert 'Onednn' not in jax.jit(
+      lambda x: products.sum_rows_float32(x)).lower(x).as_text()
 
 
 @pytest.mark.parametrize('name,options,shape', [
