@@ -9,7 +9,7 @@ gradients), for a dense layer's ``dot_general``
 (``nnx.Linear(..., dot_general=conv.dot_general)``) and for the votes of
 a capsule layer whose transform every input shares
 (``votes.shared_vector_votes``: Su's capsule model, [B*I, 128] @ [128,
-160], whose votes XLA computed in float32 at about 100-180 GFLOP/s).
+160], whose bfloat16 votes XLA computed in float32).
 Smaller products stay XLA's (``ONEDNN_MIN_MACS``): XLA's bfloat16 products
 of the other capsule models' shapes (the CapsNet decoder) run about as fast
 as its float32 ones. ``sum_rows_float32`` is the bias gradients' sum.
@@ -83,8 +83,9 @@ def sum_rows_float32(x: jax.Array) -> jax.Array:
   result), which reads x once as it is. XLA's float32 sum of a bfloat16
   array instead fused the conversion into the array's producer, wrote a
   float32 copy of it (twice the bytes) and converted that back for the
-  array's other consumers: Su's capsule model trained about 5% faster at
-  batch 128 with oneDNN's sums of its convolutions' bias gradients.
+  array's other consumers. With oneDNN's sums (and its votes product) Su's
+  capsule model's bfloat16 step ran 1.11x faster at batch 128, the paper
+  CapsNet's 1.08x (BENCHMARKS.md).
   """
   if (x.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu' and
       onednn.computes(jnp.bfloat16)):
