@@ -41,14 +41,19 @@ def _is_dense(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> bool:
           tuple(rhs_contract) == (0,))
 
 
+def _onednn_bfloat16(dtype) -> bool:
+  """Whether ``dtype`` is bfloat16, on the CPU, where oneDNN computes
+  bfloat16 (``onednn.bf16_status``)."""
+  return (jnp.dtype(dtype) == jnp.bfloat16 and
+          jax.default_backend() == 'cpu' and onednn.computes(jnp.bfloat16))
+
+
 def uses_onednn(lhs_shape, rhs_shape, dtype) -> bool:
   """Whether ``dot_general`` computes a dense product of lhs [..., K] and
   rhs [K, N] in ``dtype`` by oneDNN: bfloat16, where oneDNN computes
   bfloat16 (``onednn.bf16_status``), on the CPU, and large."""
   macs = math.prod(lhs_shape) * rhs_shape[-1]
-  return (jnp.dtype(dtype) == jnp.bfloat16 and
-          jax.default_backend() == 'cpu' and macs >= ONEDNN_MIN_MACS and
-          onednn.computes(jnp.bfloat16))
+  return macs >= ONEDNN_MIN_MACS and _onednn_bfloat16(dtype)
 
 
 @jax.custom_vjp
@@ -87,8 +92,7 @@ def sum_rows_float32(x: jax.Array) -> jax.Array:
   capsule model's bfloat16 step ran 1.11x faster at batch 128, the paper
   CapsNet's 1.08x (BENCHMARKS.md).
   """
-  if (x.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu' and
-      onednn.computes(jnp.bfloat16)):
+  if _onednn_bfloat16(x.dtype):
     rows = x.reshape(-1, x.shape[-1])
     ones = jnp.ones((1, rows.shape[0]), x.dtype)
     return onednn.matmul(ones, rows, out_dtype=jnp.float32)[0]
