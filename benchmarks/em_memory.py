@@ -11,11 +11,15 @@ backward passes, and optionally a short timing of the train step.
   python -m benchmarks.em_memory time --batches=8,16 --rounds=3
   python -m benchmarks.em_memory hlo --batches=8 --hlo_dir=/tmp/em_hlo
 
-``--impls``: how the conv capsule layers chunk their windows
-(``layers.conv_capsule_routing``'s ``window_chunk``): 'auto' (the
-default), 'whole' (all at once, the layer-wide votes), 'chunkN' (N
-windows). ``time`` alternates the train steps of every impl in one process,
-so their ratio is measured under the same load.
+``--impls``: how the conv capsule layers route their windows
+(``layers.conv_capsule_routing``'s ``impl`` and ``window_chunk``): 'kernel'
+(the fused CPU kernel, the default where it applies), and through XLA
+'auto' (chunks of ``layers.WINDOW_CHUNK_BYTES`` of votes), 'whole' (all at
+once, the layer-wide votes), 'chunkN' (N windows). XLA's memory analysis
+does not see the kernel's own buffers (per worker thread about 3 x one
+window's votes, ``csrc/em_routing.cc``). ``time`` alternates the train
+steps of every impl in one process, so their ratio is measured under the
+same load.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def _train_step(spec: str, batch: int, options: dict, impl: str = 'auto'):
   its conv capsule layers routing with ``impl``'s chunks."""
   config = benchmark.configure(
       spec, batch_size=batch,
-      options=options | {'window_chunk': _window_chunk(impl)})
+      options=options | _routing_options(impl))
   step, example = benchmark.train_step_and_inputs(config)
   return jax.jit(step, donate_argnums=0), example
 
@@ -57,15 +61,19 @@ def _analysis(compiled) -> dict:
           'xla_gb_accessed': (cost['bytes'] or 0.0) / 1e9}
 
 
-def _window_chunk(impl: str) -> int | None:
-  """'auto' -> None (the default), 'whole' -> 0, 'chunkN' -> N."""
+def _routing_options(impl: str) -> dict:
+  """The conv capsule layers' routing_impl and window_chunk of ``impl``:
+  'kernel', or XLA's 'auto' (default chunks), 'whole' (0) or 'chunkN'."""
+  if impl == 'kernel':
+    return {'routing_impl': 'kernel', 'window_chunk': None}
   if impl == 'auto':
-    return None
+    return {'routing_impl': 'xla', 'window_chunk': None}
   if impl == 'whole':
-    return 0
+    return {'routing_impl': 'xla', 'window_chunk': 0}
   if impl.startswith('chunk'):
-    return int(impl[len('chunk'):])
-  raise ValueError(f"impl must be auto, whole or chunkN, got {impl!r}.")
+    return {'routing_impl': 'xla', 'window_chunk': int(impl[len('chunk'):])}
+  raise ValueError(f"impl must be kernel, auto, whole or chunkN, got "
+                   f"{impl!r}.")
 
 
 def steps_table(args) -> None:
@@ -103,7 +111,9 @@ def _layer_fns(model, impl: str):
       out_poses, out_acts, _ = layers.conv_capsule_routing(
           poses, acts, *params, stride=layer.stride,
           normalize_across_positions=layer.normalize_across_positions,
-          true_stride=layer.true_stride, window_chunk=_window_chunk(impl),
+          true_stride=layer.true_stride,
+          window_chunk=_routing_options(impl)['window_chunk'],
+          impl=_routing_options(impl)['routing_impl'],
           **layer.routing_options)
       return jnp.sum(out_poses) + jnp.sum(out_acts)
     return f, (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
@@ -204,7 +214,7 @@ def main() -> None:
   parser.add_argument('mode', choices=('steps', 'layers', 'time', 'hlo'))
   parser.add_argument('--model', default='matrix_capsnet_mnist')
   parser.add_argument('--batches', default='8,16,64')
-  parser.add_argument('--impls', default='auto')
+  parser.add_argument('--impls', default='kernel')
   parser.add_argument('--option', action='append', default=[],
                       help='KEY=VALUE model option (repeatable)')
   parser.add_argument('--rounds', type=int, default=3)

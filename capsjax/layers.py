@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from capsjax import em_kernel
 from capsjax import routing
 from capsjax import votes as votes_lib
 from capsjax.conv import CONV_IMPLS
@@ -602,6 +603,20 @@ def _chunked_windows(route, pose_patches: jax.Array, act_patches: jax.Array,
   return jax.tree.map(merge, out)
 
 
+EM_IMPLS = (None, 'kernel', 'xla')
+
+
+def _use_em_kernel(impl, window_chunk, why_not: str) -> bool:
+  """Whether conv_capsule_routing routes with the fused kernel."""
+  if impl not in EM_IMPLS:
+    raise ValueError(f"impl must be None, 'kernel' or 'xla', got {impl!r}.")
+  if impl == 'kernel' and why_not:
+    raise ValueError(f"impl='kernel': the fused EM kernel cannot route these "
+                     f"windows: {why_not}. Use impl=None or 'xla'.")
+  return impl == 'kernel' or (impl is None and window_chunk is None
+                              and not why_not)
+
+
 def conv_capsule_routing(
     poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
     beta_u: ArrayLike, beta_a: ArrayLike, *, stride: int,
@@ -611,7 +626,8 @@ def conv_capsule_routing(
     activation_form: str = 'paper', normalize_across_positions: bool = False,
     released: bool = False, mass_epsilon: float | None = None,
     true_stride: bool = False, votes_dtype=None,
-    remat_iterations: bool = False, window_chunk: int | None = None
+    remat_iterations: bool = False, window_chunk: int | None = None,
+    impl: str | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Convolutional capsules with EM routing, as a pure function.
 
@@ -647,6 +663,11 @@ def conv_capsule_routing(
       ``window_chunk`` windows (at least one). 0 routes all windows at
       once; None is 0 on an accelerator and on a CPU the windows whose
       votes take about ``WINDOW_CHUNK_BYTES``.
+    impl: 'kernel' routes the windows with the fused CPU kernel
+      (``em_kernel.route_windows``: votes and routing window by window in
+      the core's cache, forward and backward), 'xla' through XLA in
+      ``window_chunk`` chunks; None picks the kernel where it applies
+      (``em_kernel.unsupported`` says why not) and ``window_chunk`` is None.
   Returns:
     (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
     poses' dtype, assignments [B, H', W', I, Cout] float32).
@@ -697,6 +718,20 @@ def conv_capsule_routing(
     options.update(assignment_normalizer=votes_lib.conv_parent_normalizer(
         height, width, kernel_size, stride, in_types))
   flat_weights = weights.reshape(num_in, out_types, p, p)
+  use_kernel = _use_em_kernel(impl, window_chunk, em_kernel.unsupported(
+      p, pose_patches.dtype, normalizer='assignment_normalizer' in options,
+      released=released, remat_iterations=remat_iterations))
+  if use_kernel:
+    out_poses, out_acts, assignments = em_kernel.route_windows(
+        pose_patches.reshape(-1, num_in, p, p),
+        act_patches.reshape(-1, num_in), flat_weights, beta_u, beta_a,
+        num_iterations, inverse_temperature=inverse_temperature,
+        variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
+        center_momentum=center_momentum, activation_form=activation_form)
+    return (out_poses.reshape(batch, out_h, out_w, out_types, p, p
+                              ).astype(out_dtype),
+            out_acts.reshape(batch, out_h, out_w, out_types).astype(out_dtype),
+            assignments.reshape(batch, out_h, out_w, num_in, out_types))
   # An E-step normaliser couples the windows of an image: it routes whole
   # images. Without one every window routes on its own (em_routing maps
   # over the leading dims exactly as a vmap over windows would; a nested
@@ -752,7 +787,8 @@ class ConvCapsules(nnx.Module):
   stay float32. ``window_chunk``: windows routed at a time, their votes
   recomputed in the backward pass (``conv_capsule_routing``; None: chunks
   of about ``WINDOW_CHUNK_BYTES`` of votes on a CPU, all at once on an
-  accelerator).
+  accelerator). ``routing_impl``: ``conv_capsule_routing``'s ``impl`` (None:
+  the fused CPU kernel where it applies).
   """
 
   def __init__(self, in_types: int, out_types: int, kernel_size: int = 3,
@@ -764,7 +800,7 @@ class ConvCapsules(nnx.Module):
                normalize_across_positions: bool = False,
                released: bool = False, true_stride: bool = False,
                remat: bool = False, remat_iterations: bool = False,
-               window_chunk: int | None = None,
+               window_chunk: int | None = None, routing_impl: str | None = None,
                votes_dtype=None, transform_std: float | None = None,
                transform_init: str = 'normal',
                beta_u_init: float = 0.0, beta_a_init: float = 0.0,
@@ -784,6 +820,10 @@ class ConvCapsules(nnx.Module):
     self.remat, self.remat_iterations = remat, remat_iterations
     _check_window_chunk(window_chunk)
     self.window_chunk = window_chunk
+    if routing_impl not in EM_IMPLS:
+      raise ValueError(f"routing_impl must be None, 'kernel' or 'xla', got "
+                       f'{routing_impl!r}.')
+    self.routing_impl = routing_impl
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(
         rngs, (kernel_size, kernel_size, in_types, out_types, pose_size,
@@ -802,7 +842,8 @@ class ConvCapsules(nnx.Module):
         normalize_across_positions=self.normalize_across_positions,
         true_stride=self.true_stride, votes_dtype=self.votes_dtype,
         remat_iterations=self.remat_iterations,
-        window_chunk=self.window_chunk, **self.routing_options)
+        window_chunk=self.window_chunk, impl=self.routing_impl,
+        **self.routing_options)
     if self.remat:
       fn = jax.checkpoint(fn)
     out_poses, out_acts, _ = fn(poses, activations, self.weights[...],

@@ -387,6 +387,9 @@ class MatrixCapsNet(nnx.Module):
   ``layers.WINDOW_CHUNK_BYTES`` of votes recomputed in the backward pass
   (far less memory, and faster: the chunk stays in cache), on an
   accelerator all at once; 0 all at once; N that many.
+  ``routing_impl``: the conv capsule layers' routing (None: on a CPU the
+  fused kernel, ``capsjax.em_kernel``, where it applies and
+  ``window_chunk`` is None; 'kernel'; 'xla').
 
   Returns {'class_scores': [B, K] class activations, 'poses': [B, K, 4, 4],
   and the class layer's routing: 'assignments' [B, I, K] (I = h * w * D
@@ -413,7 +416,8 @@ class MatrixCapsNet(nnx.Module):
                released_routing: bool = False, true_stride: bool = False,
                primary_form: str = 'paper', remat: bool = False,
                remat_iterations: bool = False,
-               window_chunk: int | None = None, votes_dtype=None,
+               window_chunk: int | None = None,
+               routing_impl: str | None = None, votes_dtype=None,
                init: str = 'paper',
                transform_std: float | None = None,
                conv_impl: str | None = None, rngs: nnx.Rngs):
@@ -465,14 +469,15 @@ class MatrixCapsNet(nnx.Module):
         normalize_across_positions=normalize_across_positions,
         true_stride=true_stride, remat=remat,
         remat_iterations=remat_iterations,
-        window_chunk=window_chunk, rngs=rngs,
+        window_chunk=window_chunk, routing_impl=routing_impl, rngs=rngs,
         **(em | {'num_iterations': caps1_iterations}), **conv_init)
     self.caps2 = layers.ConvCapsules(
         C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
         normalize_across_positions=normalize_across_positions,
         true_stride=true_stride, remat=remat,
         remat_iterations=remat_iterations,
-        window_chunk=window_chunk, rngs=rngs, **em, **conv_init)
+        window_chunk=window_chunk, routing_impl=routing_impl, rngs=rngs, **em,
+        **conv_init)
     # The authors' coordinates: each class-layer position's receptive-field
     # centre in input pixels (Conv1, then the 1x1 primary capsules, then
     # the two conv capsule layers).

@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import importlib.metadata
 import os
 import pathlib
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capsjax import native
 from capsjax import votes as votes_lib
 
 RUNTIME_WHEEL = 'onednn-cpu-gomp'
@@ -73,38 +70,12 @@ def _wheel_file(wheel: str, suffix: str) -> pathlib.Path | None:
   return None
 
 
-def _cache_dir() -> pathlib.Path:
-  root = os.environ.get('CAPSJAX_CACHE_DIR')
-  return (pathlib.Path(root) if root else
-          pathlib.Path.home() / '.cache' / 'capsjax')
-
-
 def _build(header: pathlib.Path, library: pathlib.Path) -> pathlib.Path:
-  """Compiles the handlers (cached by source, jaxlib and oneDNN); the file
-  appears atomically, so concurrent processes may build it side by side."""
+  """Compiles the handlers (cached by source, jaxlib and oneDNN)."""
   include = header.parent.parent.parent  # .../include/oneapi/dnnl/dnnl.hpp
-  key = hashlib.sha256(b'\0'.join([
-      _SOURCE.read_bytes(), importlib.metadata.version('jaxlib').encode(),
-      str(library).encode()])).hexdigest()[:16]
-  target = _cache_dir() / f'{_PREFIX}{key}.so'
-  if target.exists():
-    return target
-  compiler = os.environ.get('CXX') or shutil.which('g++') or shutil.which('c++')
-  if not compiler:
-    raise RuntimeError('no C++ compiler (g++, c++ or $CXX) on PATH')
-  target.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-    built = pathlib.Path(tmp) / target.name
-    command = [compiler, '-O2', '-std=c++17', '-shared', '-fPIC', '-w',
-               f'-I{jax.ffi.include_dir()}', f'-I{include}', str(_SOURCE),
-               str(library), f'-Wl,-rpath,{library.parent}', '-o', str(built)]
-    result = subprocess.run(command, capture_output=True, text=True,
-                            check=False)
-    if result.returncode:
-      raise RuntimeError(f'compiling {_SOURCE.name} failed:\n'
-                         f'{result.stderr[-2000:]}')
-    os.replace(built, target)
-  return target
+  return native.build(_SOURCE, _PREFIX,
+                      ['-O2', f'-I{include}', str(library),
+                       f'-Wl,-rpath,{library.parent}'])
 
 
 @functools.cache

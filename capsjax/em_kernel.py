@@ -1,0 +1,201 @@
+"""EM routing of convolutional capsule windows as one fused CPU kernel.
+
+``layers.conv_capsule_routing`` routes every K x K window of child capsules
+on its own (unless an E-step normaliser couples the windows). On a CPU the
+fastest way to do that is one window at a time, its votes computed from the
+window's poses and kept in the core's cache through every pass of every
+iteration, forward and backward: ``csrc/em_routing.cc``, an XLA FFI call
+compiled on first use with the machine's C++ compiler (about 3 s, once per
+source, jaxlib version and CPU, into ``$CAPSJAX_CACHE_DIR``, else
+``~/.cache/capsjax``). Its gradient is a second call that recomputes each
+window's forward pass and applies the hand-derived reverse of every step;
+the tests check both against a float64 NumPy reference and against
+``jax.grad`` of ``routing.em_routing``.
+
+It computes what ``routing.em_routing(votes.matrix_votes(poses, w), ...)``
+computes for one window, with the options that route windows on their own:
+both activation forms, ``normalize_cost``, ``center_momentum`` and any
+``variance_epsilon``, for 4 x 4 poses in float32 or float64. It is first-order
+differentiable (no Hessians: route with ``impl='xla'`` for those). Without a
+compiler, or with ``CAPSJAX_EM_KERNEL=0``, conv capsule layers route through
+XLA as before; ``status()`` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from capsjax import native
+from capsjax import routing
+
+_SOURCE = pathlib.Path(__file__).parent / 'csrc' / 'em_routing.cc'
+_TARGETS = ('EmConvRoutingForward', 'EmConvRoutingBackward')
+POSE_SIDE = 4
+
+
+def _cpu_key() -> str:
+  """What ``-march=native`` compiles for: the CPU's model and flags."""
+  try:
+    lines = pathlib.Path('/proc/cpuinfo').read_text().splitlines()
+  except OSError:
+    return os.uname().machine
+  wanted = ('model name', 'flags')
+  return '\n'.join(sorted({line for line in lines
+                           if line.split(':')[0].strip() in wanted}))
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+  """(whether the kernel is registered, why or why not), once per process."""
+  if os.environ.get('CAPSJAX_EM_KERNEL', '1') == '0':
+    return False, 'off (CAPSJAX_EM_KERNEL=0)'
+  try:
+    library = native.build(_SOURCE, 'capsjax_em_routing_',
+                           ['-O3', '-march=native', '-ffp-contract=fast',
+                            '-fno-math-errno'], [_cpu_key()])
+    lib = ctypes.CDLL(str(library))
+    for name in _TARGETS:
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
+                                  platform='cpu')
+  except (OSError, RuntimeError, AttributeError) as error:
+    return False, f'not available: {error}'
+  return True, 'in use (conv capsule routing on the CPU)'
+
+
+def available() -> bool:
+  """Whether the fused kernel is built, loaded and registered."""
+  return _load()[0]
+
+
+def status() -> str:
+  """What this process does with the fused EM kernel, in words."""
+  return _load()[1]
+
+
+def unsupported(pose_side: int, dtype, *, normalizer: bool, released: bool,
+                remat_iterations: bool) -> str:
+  """Why the kernel cannot route these windows ('' when it can)."""
+  if jax.default_backend() != 'cpu':
+    return f'it runs on the CPU only (backend: {jax.default_backend()})'
+  if jax.device_count() > 1:
+    return (f'it routes on one device (this process has '
+            f'{jax.device_count()})')
+  if pose_side != POSE_SIDE:
+    return f'it takes 4 x 4 poses, not {pose_side} x {pose_side}'
+  if jnp.dtype(dtype) not in (jnp.float32, jnp.float64):
+    return f'it computes float32 or float64 votes, not {jnp.dtype(dtype)}'
+  if normalizer or released:
+    return ('an E-step normaliser across windows (released or '
+            'normalize_across_positions) couples the windows')
+  if remat_iterations:
+    return 'remat_iterations applies to the XLA routing only'
+  if not available():
+    return f'the kernel is {status()}'
+  return ''
+
+
+def _attributes(num_iterations, activation_form, normalize_cost,
+                center_momentum, variance_epsilon):
+  return dict(iterations=np.int64(num_iterations),
+              authors_form=np.int64(activation_form == 'authors'),
+              normalize_cost=np.int64(bool(normalize_cost)),
+              center_momentum=np.float64(center_momentum),
+              variance_epsilon=np.float64(variance_epsilon),
+              mass_epsilon=np.float64(routing.MASS_EPSILON),
+              cost_std_epsilon=np.float64(routing.COST_STD_EPSILON))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _route(poses, activations, weights, beta_u, beta_a, lambdas,
+           num_iterations, activation_form, normalize_cost, center_momentum,
+           variance_epsilon):
+  num, num_in = activations.shape
+  num_out = weights.shape[1]
+  dtype = poses.dtype
+  shapes = (jax.ShapeDtypeStruct((num, num_out, POSE_SIDE**2), dtype),
+            jax.ShapeDtypeStruct((num, num_out), dtype),
+            jax.ShapeDtypeStruct((num, num_in, num_out), dtype))
+  return jax.ffi.ffi_call('EmConvRoutingForward', shapes,
+                          vmap_method='sequential')(
+      poses, activations, weights, beta_u, beta_a, lambdas,
+      **_attributes(num_iterations, activation_form, normalize_cost,
+                    center_momentum, variance_epsilon))
+
+
+def _route_forward(poses, activations, weights, beta_u, beta_a, lambdas,
+                   *options):
+  return (_route(poses, activations, weights, beta_u, beta_a, lambdas,
+                 *options),
+          (poses, activations, weights, beta_u, beta_a, lambdas))
+
+
+def _route_backward(num_iterations, activation_form, normalize_cost,
+                    center_momentum, variance_epsilon, residuals, cotangents):
+  poses, activations, weights, beta_u, beta_a, lambdas = residuals
+  cotangents = tuple(jnp.asarray(c, poses.dtype) for c in cotangents)
+  shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in residuals)
+  return jax.ffi.ffi_call('EmConvRoutingBackward', shapes,
+                          vmap_method='sequential')(
+      *residuals, *cotangents,
+      **_attributes(num_iterations, activation_form, normalize_cost,
+                    center_momentum, variance_epsilon))
+
+
+_route.defvjp(_route_forward, _route_backward)
+
+
+def route_windows(poses, activations, weights, beta_u, beta_a,
+                  num_iterations: int = 3, *, inverse_temperature=None,
+                  variance_epsilon: float = routing.VARIANCE_FLOOR,
+                  normalize_cost: bool = False, center_momentum: float = 0.0,
+                  activation_form: str = 'paper'
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """EM routing of N independent windows, their votes V_io = M_i W_io.
+
+  Computes ``routing.em_routing(votes.matrix_votes(poses, weights),
+  activations, beta_u, beta_a, num_iterations, ...)`` with the same options.
+
+  Args:
+    poses: [N, I, 4, 4] each window's child poses M_i.
+    activations: [N, I] their activations.
+    weights: [I, O, 4, 4] transforms W_io, shared by the windows.
+    beta_u, beta_a: broadcastable to [O].
+    num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
+      center_momentum, activation_form: as ``routing.em_routing``.
+  Returns:
+    (poses [N, O, 16], activations [N, O], assignments [N, I, O]), float64
+    for float64 inputs, else float32 (bfloat16 poses are routed in
+    float32).
+  """
+  if not available():
+    raise RuntimeError(f'EM routing kernel: {status()}')
+  routing._check_iterations(num_iterations)
+  if activation_form not in ('paper', 'authors'):
+    raise ValueError(f"activation_form must be 'paper' or 'authors', got "
+                     f'{activation_form!r}.')
+  poses, activations = jnp.asarray(poses), jnp.asarray(activations)
+  weights = jnp.asarray(weights)
+  if (poses.ndim != 4 or poses.shape[2:] != (POSE_SIDE, POSE_SIDE)
+      or activations.shape != poses.shape[:2] or weights.ndim != 4
+      or weights.shape[0] != poses.shape[1]
+      or weights.shape[2:] != (POSE_SIDE, POSE_SIDE)):
+    raise ValueError(
+        f'EM routing kernel: poses [N, I, 4, 4] = {poses.shape}, activations '
+        f'[N, I] = {activations.shape} and weights [I, O, 4, 4] = '
+        f'{weights.shape} do not match.')
+  dtype = jnp.promote_types(poses.dtype, jnp.float32)
+  num_out = weights.shape[1]
+  cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
+  lambdas = routing._inverse_temperatures(inverse_temperature, num_iterations,
+                                          dtype).astype(dtype)
+  return _route(poses.astype(dtype), activations.astype(dtype),
+                weights.astype(dtype), cast(beta_u), cast(beta_a), lambdas,
+                num_iterations, activation_form, bool(normalize_cost),
+                float(center_momentum), float(variance_epsilon))

@@ -1,0 +1,282 @@
+"""The fused EM routing kernel (capsjax/csrc/em_routing.cc) against the
+float64 NumPy reference, autodiff of routing.em_routing, finite
+differences and the XLA conv capsule routing."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from capsjax import em_kernel
+from capsjax import layers
+from capsjax import routing
+from capsjax import votes as votes_lib
+from tests.test_routing import np_em_routing
+
+pytestmark = pytest.mark.skipif(not em_kernel.available(),
+                                reason=f'EM kernel {em_kernel.status()}')
+
+# Each routes windows on their own: the paper's form with the authors'
+# schedule, cost normalisation with a constant lambda, the released code's
+# activation form with centre momentum and its variance floor, and 1 and 2
+# iterations.
+OPTIONS = {
+    'paper': dict(num_iterations=3),
+    'normalized_cost': dict(num_iterations=3, normalize_cost=True,
+                            inverse_temperature=1.0),
+    'authors': dict(num_iterations=3, activation_form='authors',
+                    center_momentum=0.1, variance_epsilon=5e-4,
+                    inverse_temperature=(0.5, 1.0, 2.0)),
+    'one_iteration': dict(num_iterations=1),
+    'two_iterations': dict(num_iterations=2, inverse_temperature=0.3),
+}
+
+
+def _inputs(seed, num=3, num_in=7, num_out=4, dtype=np.float64,
+            beta_a_scale=0.3):
+  rng = np.random.default_rng(seed)
+  poses = rng.normal(size=(num, num_in, 4, 4))
+  acts = rng.uniform(0.05, 1.0, size=(num, num_in))
+  weights = rng.normal(size=(num_in, num_out, 4, 4)) * 0.5
+  beta_u = rng.normal(size=num_out) * 0.3
+  beta_a = rng.normal(size=num_out) * beta_a_scale
+  return tuple(np.asarray(x, dtype) for x in (poses, acts, weights, beta_u,
+                                              beta_a))
+
+
+def _np_votes(poses, weights):
+  """V_io = M_i W_io: [N, I, O, 16]."""
+  v = np.einsum('nipq,ioqr->niopr', poses, weights)
+  return v.reshape(v.shape[:3] + (16,))
+
+
+def _beta_a_scale(name):
+  """The authors' logit has -5000 beta_a: small betas keep it informative."""
+  return 1e-3 if name == 'authors' else 0.3
+
+
+@pytest.mark.parametrize('name', sorted(OPTIONS))
+def test_kernel_matches_float64_reference(name):
+  options = dict(OPTIONS[name])
+  iterations = options.pop('num_iterations')
+  poses, acts, weights, beta_u, beta_a = _inputs(
+      1, beta_a_scale=_beta_a_scale(name))
+  with jax.enable_x64(True):
+    out = em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
+                                  iterations, **options)
+  assert [x.dtype for x in out] == [jnp.float64] * 3
+  expected = np_em_routing(_np_votes(poses, weights), acts, beta_u, beta_a,
+                           iterations, **options)
+  for got, want in zip(out, expected):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
+
+
+def _routing_outputs_loss(route, cotangents):
+  def loss(poses, acts, weights, beta_u, beta_a, lambdas):
+    out = route(poses, acts, weights, beta_u, beta_a, lambdas)
+    return sum(jnp.sum(o * c) for o, c in zip(out, cotangents))
+  return loss
+
+
+@pytest.mark.parametrize('name', sorted(OPTIONS))
+def test_kernel_gradients_equal_autodiff_of_em_routing(name):
+  # Every input's gradient, the inverse temperatures' included, for
+  # cotangents on all three outputs (poses, activations, assignments).
+  options = dict(OPTIONS[name])
+  iterations = options.pop('num_iterations')
+  lambdas = np.asarray(routing._inverse_temperatures(
+      options.pop('inverse_temperature', None), iterations, jnp.float32),
+      np.float64)
+  inputs = _inputs(2, beta_a_scale=_beta_a_scale(name)) + (lambdas,)
+  rng = np.random.default_rng(3)
+  num, num_in, num_out = 3, 7, 4
+  cotangents = (rng.normal(size=(num, num_out, 16)),
+                rng.normal(size=(num, num_out)),
+                rng.normal(size=(num, num_in, num_out)))
+
+  def kernel(poses, acts, weights, beta_u, beta_a, lam):
+    return em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
+                                   iterations, inverse_temperature=lam,
+                                   **options)
+
+  def xla(poses, acts, weights, beta_u, beta_a, lam):
+    return routing.em_routing(votes_lib.matrix_votes(poses, weights), acts,
+                              beta_u, beta_a, iterations,
+                              inverse_temperature=lam, **options)
+
+  with jax.enable_x64(True):
+    argnums = tuple(range(6))
+    got = jax.jit(jax.grad(_routing_outputs_loss(kernel, cotangents),
+                           argnums))(*inputs)
+    want = jax.grad(_routing_outputs_loss(xla, cotangents), argnums)(*inputs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-8,
+                               atol=1e-11)
+    assert np.any(np.asarray(w) != 0)
+
+
+def test_kernel_gradients_match_finite_differences():
+  poses, acts, weights, beta_u, beta_a = _inputs(4, num=2, num_in=5,
+                                                 num_out=3)
+  with jax.enable_x64(True):
+    check_grads(lambda *x: em_kernel.route_windows(
+        *x, 3, normalize_cost=True, inverse_temperature=0.7),
+                (poses, acts, weights, beta_u, beta_a), order=1,
+                modes=['rev'], atol=1e-4, rtol=1e-4)
+
+
+def test_float32_kernel_is_float64_to_float32_precision():
+  inputs = _inputs(5, num=4, num_in=72, num_out=16)
+  cotangent = np.random.default_rng(6).normal(size=(4, 16, 16))
+
+  def loss(*x):
+    out_poses, out_acts, _ = em_kernel.route_windows(*x, 3)
+    return jnp.sum(out_poses * cotangent) + jnp.sum(out_acts)
+
+  with jax.enable_x64(True):
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(*inputs)
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+      *(np.asarray(x, np.float32) for x in inputs))
+  # float32 sums over 72 children and 3 iterations: measured <= 2e-6
+  # relative to each array's largest entry.
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == jnp.float32
+    scale = np.max(np.abs(np.asarray(w)))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w),
+                               atol=2e-5 * scale, rtol=0)
+
+
+def _layer_params(dims_c=2, out_types=3, seed=0):
+  layer = layers.ConvCapsules(dims_c, out_types, 3, 2, beta_u_init=0.2,
+                              beta_a_init=-0.1, rngs=nnx.Rngs(seed))
+  return tuple(np.asarray(x, np.float64) for x in (
+      layer.weights[...], layer.beta_u[...], layer.beta_a[...]))
+
+
+def test_conv_capsule_routing_by_kernel_equals_xla():
+  rng = np.random.default_rng(8)
+  poses = rng.normal(size=(2, 7, 5, 2, 4, 4))
+  acts = rng.uniform(size=(2, 7, 5, 2))
+  params = _layer_params()
+
+  def loss_and_grads(impl):
+    def loss(poses, acts, *params):
+      out_poses, out_acts, assignments = layers.conv_capsule_routing(
+          poses, acts, *params, stride=2, impl=impl, normalize_cost=True)
+      return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
+              + jnp.sum(jnp.cos(assignments)),
+              (out_poses, out_acts, assignments))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                      has_aux=True))(poses, acts, *params)
+
+  with jax.enable_x64(True):
+    kernel, xla = loss_and_grads('kernel'), loss_and_grads('xla')
+    assert loss_and_grads(None)[0][0] == kernel[0][0]
+  for got, want in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9,
+                               atol=1e-12)
+
+
+def test_default_routes_cpu_conv_capsules_with_the_kernel():
+  layer = layers.ConvCapsules(2, 3, 3, 2, rngs=nnx.Rngs(0))
+  poses = jnp.zeros((1, 5, 5, 2, 4, 4))
+  acts = jnp.ones((1, 5, 5, 2))
+  hlo = jax.jit(lambda p, a: layer(p, a)).lower(poses, acts).as_text()
+  assert 'EmConvRoutingForward' in hlo
+  chunked = layers.ConvCapsules(2, 3, 3, 2, window_chunk=1, rngs=nnx.Rngs(0))
+  hlo = jax.jit(lambda p, a: chunked(p, a)).lower(poses, acts).as_text()
+  assert 'EmConvRoutingForward' not in hlo
+
+
+def _degenerate_windows(name):
+  poses, acts, weights, beta_u, beta_a = _inputs(9, num=2, num_in=6,
+                                                 num_out=3, dtype=np.float32)
+  if name == 'zero_activations':
+    acts = np.zeros_like(acts)
+  elif name == 'identical_votes':
+    poses = np.broadcast_to(poses[:, :1], poses.shape).copy()
+    weights = np.broadcast_to(weights[:1, :1], weights.shape).copy()
+  elif name == 'one_child':
+    poses, acts, weights = poses[:, :1], acts[:, :1], weights[:1]
+  elif name == 'huge_votes':
+    # The scale test_routing's degenerate cases guarantee (at 1e13 both
+    # this kernel's and XLA's float32 gradients overflow).
+    poses = poses * 1e12
+  elif name == 'tiny_votes':
+    poses = poses * 1e-20
+  return poses, acts, weights, beta_u, beta_a
+
+
+@pytest.mark.parametrize('name', ['zero_activations', 'identical_votes',
+                                  'one_child', 'huge_votes', 'tiny_votes'])
+def test_values_and_gradients_finite_on_degenerate_windows(name):
+  inputs = _degenerate_windows(name)
+
+  def loss(*x):
+    out_poses, out_acts, assignments = em_kernel.route_windows(*x, 3)
+    return (jnp.sum(out_poses) + jnp.sum(out_acts) + jnp.sum(assignments),
+            (out_poses, out_acts, assignments))
+
+  (value, outputs), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*inputs)
+  for x in (value, *outputs, *grads):
+    assert np.all(np.isfinite(np.asarray(x))), name
+  np.testing.assert_allclose(np.sum(np.asarray(outputs[2]), -1), 1.0,
+                             rtol=1e-5)
+
+
+def test_vmap_equals_a_loop():
+  poses, acts, weights, beta_u, beta_a = _inputs(10, dtype=np.float32)
+  stacked = np.stack([poses, poses[::-1]])
+  batched = jax.vmap(lambda p: em_kernel.route_windows(
+      p, acts, weights, beta_u, beta_a, 2))(stacked)
+  for k in range(2):
+    single = em_kernel.route_windows(stacked[k], acts, weights, beta_u,
+                                     beta_a, 2)
+    for b, s in zip(batched, single):
+      np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(s))
+
+
+def test_bad_arguments_raise_value_error():
+  poses, acts, weights, beta_u, beta_a = _inputs(11, dtype=np.float32)
+  with pytest.raises(ValueError, match=r'poses \[N, I, 4, 4\]'):
+    em_kernel.route_windows(poses[:, :-1], acts, weights, beta_u, beta_a)
+  with pytest.raises(ValueError, match='activation_form'):
+    em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
+                            activation_form='hinton')
+  # bfloat16 poses are routed in float32.
+  half = em_kernel.route_windows(poses.astype(jnp.bfloat16), acts, weights,
+                                 beta_u, beta_a)
+  upcast = em_kernel.route_windows(
+      np.asarray(poses.astype(jnp.bfloat16), np.float32), acts, weights,
+      beta_u, beta_a)
+  for h, u in zip(half, upcast):
+    assert h.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(u))
+  conv_poses = np.zeros((1, 5, 5, 2, 4, 4), np.float32)
+  conv_acts = np.ones((1, 5, 5, 2), np.float32)
+  w, bu, ba = (np.asarray(x, np.float32) for x in _layer_params())
+  with pytest.raises(ValueError, match='couples the windows'):
+    layers.conv_capsule_routing(conv_poses, conv_acts, w, bu, ba, stride=2,
+                                impl='kernel',
+                                normalize_across_positions=True)
+  with pytest.raises(ValueError, match="impl must be None, 'kernel' or"):
+    layers.conv_capsule_routing(conv_poses, conv_acts, w, bu, ba, stride=2,
+                                impl='fused')
+  with pytest.raises(ValueError, match='routing_impl'):
+    layers.ConvCapsules(2, 3, routing_impl='fused', rngs=nnx.Rngs(0))
+
+
+def test_environment_switch_turns_the_kernel_off():
+  code = ('from capsjax import em_kernel; '
+          'print(em_kernel.available(), em_kernel.status())')
+  result = subprocess.run(
+      [sys.executable, '-c', code], capture_output=True, text=True,
+      check=True, env={**os.environ, 'CAPSJAX_EM_KERNEL': '0'})
+  assert result.stdout.strip() == 'False off (CAPSJAX_EM_KERNEL=0)'
