@@ -73,14 +73,14 @@ def test_kernel_matches_float64_reference(name):
   assert [x.dtype for x in out] == [jnp.float64] * 3
   expected = np_em_routing(_np_votes(poses, weights), acts, beta_u, beta_a,
                            iterations, **options)
-  for got, want in zip(out, expected):
+  for got, want in zip(out, expected, strict=True):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
 
 
 def _routing_outputs_loss(route, cotangents):
   def loss(poses, acts, weights, beta_u, beta_a, lambdas):
     out = route(poses, acts, weights, beta_u, beta_a, lambdas)
-    return sum(jnp.sum(o * c) for o, c in zip(out, cotangents))
+    return sum(jnp.sum(o * c) for o, c in zip(out, cotangents, strict=True))
   return loss
 
 
@@ -115,7 +115,7 @@ def test_kernel_gradients_equal_autodiff_of_em_routing(name):
     got = jax.jit(jax.grad(_routing_outputs_loss(kernel, cotangents),
                            argnums))(*inputs)
     want = jax.grad(_routing_outputs_loss(xla, cotangents), argnums)(*inputs)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-8,
                                atol=1e-11)
     assert np.any(np.asarray(w) != 0)
@@ -145,7 +145,7 @@ def test_float32_kernel_is_float64_to_float32_precision():
       *(np.asarray(x, np.float32) for x in inputs))
   # float32 sums over 72 children and 3 iterations: measured <= 2e-6
   # relative to each array's largest entry.
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert g.dtype == jnp.float32
     scale = np.max(np.abs(np.asarray(w)))
     np.testing.assert_allclose(np.asarray(g), np.asarray(w),
@@ -178,7 +178,8 @@ def test_conv_capsule_routing_by_kernel_equals_xla():
   with jax.enable_x64(True):
     kernel, xla = loss_and_grads('kernel'), loss_and_grads('xla')
     assert loss_and_grads(None)[0][0] == kernel[0][0]
-  for got, want in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla)):
+  for got, want in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla),
+                             strict=True):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9,
                                atol=1e-12)
 
@@ -239,7 +240,7 @@ def test_vmap_equals_a_loop():
   for k in range(2):
     single = em_kernel.route_windows(stacked[k], acts, weights, beta_u,
                                      beta_a, 2)
-    for b, s in zip(batched, single):
+    for b, s in zip(batched, single, strict=True):
       np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(s))
 
 
@@ -256,7 +257,7 @@ def test_bad_arguments_raise_value_error():
   upcast = em_kernel.route_windows(
       np.asarray(poses.astype(jnp.bfloat16), np.float32), acts, weights,
       beta_u, beta_a)
-  for h, u in zip(half, upcast):
+  for h, u in zip(half, upcast, strict=True):
     assert h.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(h), np.asarray(u))
   conv_poses = np.zeros((1, 5, 5, 2, 4, 4), np.float32)
