@@ -15,7 +15,10 @@ the tests check both against a float64 NumPy reference and against
 It computes what ``routing.em_routing(votes.matrix_votes(poses, w), ...)``
 computes for one window, with the options that route windows on their own:
 both activation forms, ``normalize_cost``, ``center_momentum`` and any
-``variance_epsilon``, for 4 x 4 poses in float32 or float64. It is first-order
+``variance_epsilon``, for 4 x 4 poses in float32 or float64 (bfloat16 poses
+and transforms, as in mixed precision, are multiplied and routed in
+float32: the votes are never stored, so there is no memory to save by
+rounding them). It is first-order
 differentiable (no Hessians: route with ``impl='xla'`` for those). Without a
 compiler, or with ``CAPSJAX_EM_KERNEL=0``, conv capsule layers route through
 XLA as before; ``status()`` says which.
@@ -89,8 +92,9 @@ def unsupported(pose_side: int, dtype, *, normalizer: bool, released: bool,
             f'{jax.device_count()})')
   if pose_side != POSE_SIDE:
     return f'it takes 4 x 4 poses, not {pose_side} x {pose_side}'
-  if jnp.dtype(dtype) not in (jnp.float32, jnp.float64):
-    return f'it computes float32 or float64 votes, not {jnp.dtype(dtype)}'
+  if jnp.dtype(dtype) not in (jnp.float32, jnp.float64, jnp.bfloat16):
+    return (f'it routes float32, float64 or bfloat16 poses, not '
+            f'{jnp.dtype(dtype)}')
   if normalizer or released:
     return ('an E-step normaliser across windows (released or '
             'normalize_across_positions) couples the windows')

@@ -247,6 +247,41 @@ def em_routing_cost(votes_shape: Sequence[int], num_iterations: int = 3, *,
               passes * votes_bytes + small)
 
 
+def em_conv_kernel_cost(votes_shape: Sequence[int], num_iterations: int = 3,
+                        *, backward: bool = False) -> Cost:
+  """Cost of the fused conv capsule kernel (``em_kernel.route_windows``):
+  the votes V_io = M_i W_io (4 x 4 products: 4 multiply-adds, 8 flops, per
+  vote number, 128 per child and parent, as XLA counts a dot) and
+  ``em_routing_cost``'s routing, float32.
+
+  Its compulsory bytes are its inputs and outputs only: the pose and
+  activation patches, the transforms, and the routing's outputs (the votes
+  live in the core's cache), so ``streaming_bytes`` equals ``bytes``. The
+  backward pass (forward + the gradients of the patches, activations and
+  transforms) counts the arithmetic of a forward and two of its transposes,
+  as ``em_routing_cost``; the kernel also recomputes the forward there.
+
+  Args:
+    votes_shape: [..., I, O, 16] of the windows' votes.
+    num_iterations: T >= 1.
+    backward: as ``em_routing_cost``.
+  """
+  n, num_in, num_out, dim = _split_votes_shape(votes_shape)
+  routing_cost = em_routing_cost(votes_shape, num_iterations,
+                                 backward=backward)
+  votes_flops = n * num_in * num_out * dim * 8
+  patches = n * num_in * (dim + 1) * 4
+  transforms = num_in * num_out * dim * 4
+  outputs = n * num_out * (dim + 1) * 4 + n * num_in * num_out * 4
+  if backward:
+    nbytes = 2 * (patches + transforms + outputs)
+    return Cost(routing_cost.flops + 3 * votes_flops,
+                routing_cost.transcendentals, nbytes, nbytes)
+  nbytes = patches + transforms + outputs
+  return Cost(routing_cost.flops + votes_flops, routing_cost.transcendentals,
+              nbytes, nbytes)
+
+
 # ----------------------------------------------------------------------------
 # Rooflines.
 

@@ -654,7 +654,9 @@ def conv_capsule_routing(
       layer's stride (a correction of the released code; no effect at
       stride 1).
     votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
-      routing statistics stay float32. None keeps the poses' dtype.
+      routing statistics stay float32. None keeps the poses' dtype. The
+      fused kernel rounds poses and transforms to it and then computes the
+      votes and routing in float32 (it stores no votes).
     window_chunk: windows routed at a time: each chunk computes its votes
       from its pose patches and is recomputed in the backward pass
       (``jax.checkpoint``), so no pass holds more than one chunk's votes.

@@ -79,6 +79,7 @@ from absl import app
 from absl import flags
 
 from capsjax import conv
+from capsjax import em_kernel
 from capsjax import flops as flops_lib
 from capsjax import models
 from capsjax import routing
@@ -163,6 +164,9 @@ ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
     # ConvCaps1 of the smallNORB model (A=B=C=D=32): a 6x6 grid of 3x3x32 =
     # 288 children per window, 32 parent types, 4x4 poses.
     'em_convcaps1': ('em', lambda b: (b, 6, 6, 288, 32, 16)),
+    # The same ConvCaps1 routed by the fused CPU kernel from its pose
+    # patches (capsjax.em_kernel: the votes are made inside it).
+    'em_convcaps1_kernel': ('em_kernel', lambda b: (b, 6, 6, 288, 32, 16)),
     # Class capsules of that model: 4x4 grid x 32 types = 512 -> 5 classes.
     'em_class': ('em', lambda b: (b, 512, 5, 16)),
 }
@@ -696,6 +700,19 @@ def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
     return forward, backward, (votes, bias), cost
   activations = jax.random.uniform(key_a, shape[:-2], jnp.float32)
   betas = jnp.zeros((num_out,), jnp.float32)
+  if kind == 'em_kernel':
+    num_in = shape[-3]
+    poses = jax.random.normal(key_v, (math.prod(shape[:-3]), num_in, 4, 4),
+                              jnp.float32).astype(dtype)
+    weights = 0.5 * jax.random.normal(key_b, (num_in, num_out, 4, 4),
+                                      jnp.float32)
+    forward = lambda x, a: em_kernel.route_windows(  # noqa: E731
+        x, a, weights, betas, betas, num_iterations)
+    loss = lambda x, a: sum(jnp.sum(y) for y in forward(x, a)[:2])  # noqa: E731
+    cost = functools.partial(flops_lib.em_conv_kernel_cost, shape,
+                             num_iterations)
+    return (forward, jax.grad(loss, argnums=(0, 1)),
+            (poses, activations.reshape(poses.shape[:2])), cost)
   forward = lambda v, a: routing.em_routing(v, a, betas, betas,
                                             num_iterations)
   loss = lambda v, a: sum(jnp.sum(x.astype(jnp.float32))

@@ -195,6 +195,24 @@ def test_default_routes_cpu_conv_capsules_with_the_kernel():
   assert 'EmConvRoutingForward' not in hlo
 
 
+def test_bfloat16_conv_capsules_route_in_float32_by_the_kernel():
+  # Mixed precision's bfloat16 poses and transforms: the kernel multiplies
+  # and routes them in float32, exactly as the same values upcast.
+  rng = np.random.default_rng(12)
+  poses = jnp.asarray(rng.normal(size=(2, 5, 5, 2, 4, 4)), jnp.bfloat16)
+  acts = jnp.asarray(rng.uniform(size=(2, 5, 5, 2)), jnp.bfloat16)
+  params = tuple(jnp.asarray(x, jnp.bfloat16) for x in _layer_params())
+  route = jax.jit(lambda *x: layers.conv_capsule_routing(*x, stride=2))
+  assert 'EmConvRoutingForward' in route.lower(poses, acts,
+                                               *params).as_text()
+  half = route(poses, acts, *params)
+  upcast = route(*(x.astype(jnp.float32) for x in (poses, acts, *params)))
+  assert [x.dtype for x in half] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+  for h, u in zip(half, upcast, strict=True):
+    np.testing.assert_array_equal(np.asarray(h),
+                                  np.asarray(u.astype(h.dtype)))
+
+
 def _degenerate_windows(name):
   poses, acts, weights, beta_u, beta_a = _inputs(9, num=2, num_in=6,
                                                  num_out=3, dtype=np.float32)
@@ -281,3 +299,23 @@ def test_environment_switch_turns_the_kernel_off():
       [sys.executable, '-c', code], capture_output=True, text=True,
       check=True, env={**os.environ, 'CAPSJAX_EM_KERNEL': '0'})
   assert result.stdout.strip() == 'False off (CAPSJAX_EM_KERNEL=0)'
+
+
+def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
+  from capsjax import flops
+  num, num_in, num_out = 6, 18, 4
+  shape = (num, num_in, num_out, 16)
+  poses, acts, weights, beta_u, beta_a = _inputs(13, num, num_in, num_out,
+                                                 dtype=np.float32)
+  kernel = flops.em_conv_kernel_cost(shape, 3)
+  routing_only = flops.em_routing_cost(shape, 3)
+  votes_dot = jax.jit(votes_lib.matrix_votes).lower(
+      poses, weights).compile().cost_analysis()
+  votes_dot = votes_dot[0] if isinstance(votes_dot, list) else votes_dot
+  assert kernel.flops - routing_only.flops == votes_dot['flops']
+  outputs = em_kernel.route_windows(poses, acts, weights, beta_u, beta_a, 3)
+  operands = sum(x.nbytes for x in (poses, acts, weights, *outputs))
+  assert kernel.bytes == kernel.streaming_bytes == operands
+  backward = flops.em_conv_kernel_cost(shape, 3, backward=True)
+  assert backward.bytes == 2 * operands
+  assert backward.flops == 3 * kernel.flops
