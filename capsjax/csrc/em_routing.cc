@@ -134,7 +134,7 @@ void Forward(const Options& opt, const T* x, const T* a, const T* wt,
   const T c = T(opt.center_momentum), var_floor = T(opt.variance_epsilon);
   const T mass_eps = T(opt.mass_epsilon);
   T* V = s.votes.data();
-  T* S = s.sums.data();
+  T* __restrict__ S = s.sums.data();
   // Votes, and the first M-step's weighted sums with R = 1/O.
   std::fill(S, S + DO, T(0));
   const T uniform = T(1) / T(O);
@@ -171,7 +171,6 @@ void Forward(const Options& opt, const T* x, const T* a, const T* wt,
     T* mu_new = s.mu_new.data() + t * DO;
     T* ve = s.var_eps.data() + t * DO;
     const T* mu_prev = t ? s.mu.data() + (t - 1) * DO : nullptr;
-    T* __restrict__ S = s.sums.data();
     for (int64_t d = 0; d < kDim; ++d) {
       for (int64_t o = 0; o < O; ++o) {
         const T mean = S[d * O + o] / (m[o] + mass_eps);
@@ -562,20 +561,27 @@ Options ReadOptions(int64_t iterations, int64_t authors_form,
 }
 
 ffi::Error CheckShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& a,
-                       const ffi::AnyBuffer& w, const ffi::AnyBuffer& lambdas,
+                       const ffi::AnyBuffer& w, const ffi::AnyBuffer& bu,
+                       const ffi::AnyBuffer& ba, const ffi::AnyBuffer& lambdas,
                        int64_t iterations) {
   auto xd = x.dimensions(), ad = a.dimensions(), wd = w.dimensions();
   if (xd.size() != 4 || xd[2] != kSide || xd[3] != kSide || ad.size() != 2 ||
       ad[0] != xd[0] || ad[1] != xd[1] || wd.size() != 4 || wd[0] != xd[1] ||
       wd[2] != kSide || wd[3] != kSide ||
+      bu.element_count() != static_cast<size_t>(wd[1]) ||
+      ba.element_count() != static_cast<size_t>(wd[1]) ||
       lambdas.element_count() != static_cast<size_t>(iterations) ||
       iterations < 1) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "EM routing kernel: shapes must be x [N, I, 4, 4], "
-                      "a [N, I], w [I, O, 4, 4], lambdas [T]");
+                      "a [N, I], w [I, O, 4, 4], beta_u and beta_a [O], "
+                      "lambdas [T]");
   }
   if (x.element_type() != a.element_type() ||
       x.element_type() != w.element_type() ||
+      x.element_type() != bu.element_type() ||
+      x.element_type() != ba.element_type() ||
+      x.element_type() != lambdas.element_type() ||
       (x.element_type() != ffi::F32 && x.element_type() != ffi::F64)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "EM routing kernel: operands all float32 or all float64");
@@ -697,7 +703,7 @@ ffi::Error EmForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                          int64_t normalize_cost, double center_momentum,
                          double variance_epsilon, double mass_epsilon,
                          double cost_std_epsilon) {
-  if (auto error = CheckShapes(x, a, w, lam, iterations); error.failure())
+  if (auto error = CheckShapes(x, a, w, bu, ba, lam, iterations); error.failure())
     return error;
   const Options opt =
       ReadOptions(iterations, authors_form, normalize_cost, center_momentum,
@@ -719,7 +725,7 @@ ffi::Error EmBackwardImpl(
     int64_t iterations, int64_t authors_form, int64_t normalize_cost,
     double center_momentum, double variance_epsilon, double mass_epsilon,
     double cost_std_epsilon) {
-  if (auto error = CheckShapes(x, a, w, lam, iterations); error.failure())
+  if (auto error = CheckShapes(x, a, w, bu, ba, lam, iterations); error.failure())
     return error;
   const Options opt =
       ReadOptions(iterations, authors_form, normalize_cost, center_momentum,
