@@ -606,10 +606,14 @@ def _chunked_windows(route, pose_patches: jax.Array, act_patches: jax.Array,
 EM_IMPLS = (None, 'kernel', 'xla')
 
 
+def _check_em_impl(name: str, impl) -> None:
+  if impl not in EM_IMPLS:
+    raise ValueError(f"{name} must be None, 'kernel' or 'xla', got {impl!r}.")
+
+
 def _use_em_kernel(impl, window_chunk, why_not: str) -> bool:
   """Whether conv_capsule_routing routes with the fused kernel."""
-  if impl not in EM_IMPLS:
-    raise ValueError(f"impl must be None, 'kernel' or 'xla', got {impl!r}.")
+  _check_em_impl('impl', impl)
   if impl == 'kernel' and why_not:
     raise ValueError(f"impl='kernel': the fused EM kernel cannot route these "
                      f"windows: {why_not}. Use impl=None or 'xla'.")
@@ -822,9 +826,7 @@ class ConvCapsules(nnx.Module):
     self.remat, self.remat_iterations = remat, remat_iterations
     _check_window_chunk(window_chunk)
     self.window_chunk = window_chunk
-    if routing_impl not in EM_IMPLS:
-      raise ValueError(f"routing_impl must be None, 'kernel' or 'xla', got "
-                       f'{routing_impl!r}.')
+    _check_em_impl('routing_impl', routing_impl)
     self.routing_impl = routing_impl
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(_transform_init(

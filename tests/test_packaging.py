@@ -20,8 +20,9 @@ def test_wheel_ships_capsjax_only(tmp_path):
   names = zipfile.ZipFile(tmp_path / wheel).namelist()
   top = {name.split('/')[0] for name in names}
   assert 'capsjax' in top and 'experiments' not in top, sorted(top)
-  # The oneDNN extra's C++ source travels with the package.
+  # The C++ sources (oneDNN's convolutions, the EM kernel) travel with it.
   assert 'capsjax/conv/csrc/onednn_conv.cc' in names
+  assert 'capsjax/csrc/em_routing.cc' in names
 
 
 def test_experiments_run_from_a_clone():

@@ -75,6 +75,19 @@ MUTATIONS = (
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes)",
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes) / votes.shape[-3]",
         ('tests/test_routing.py',)),
+    # The fused EM kernel's hand-derived backward pass.
+    Mutation(
+        'em_kernel_drops_the_variance_gradient', 'capsjax/csrc/em_routing.cc',
+        '      g_s[k] += g_q[o] * diff * diff;',
+        '      g_s[k] += T(0);',
+        ('tests/test_em_kernel.py::'
+         'test_kernel_gradients_equal_autodiff_of_em_routing',)),
+    Mutation(
+        'em_kernel_drops_the_momentum_gradient', 'capsjax/csrc/em_routing.cc',
+        '        g_mu_prev[k] = c * g_mu[k];',
+        '        g_mu_prev[k] = T(0);',
+        ('tests/test_em_kernel.py::'
+         'test_kernel_gradients_equal_autodiff_of_em_routing',)),
     # The losses.
     Mutation(
         'official_margin_not_halved', 'capsjax/losses.py',
