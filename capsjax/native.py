@@ -39,6 +39,9 @@ def build(source: pathlib.Path, prefix: str, flags: list[str],
   compiler = os.environ.get('CXX') or shutil.which('g++') or shutil.which('c++')
   if not compiler:
     raise RuntimeError('no C++ compiler (g++, c++ or $CXX) on PATH')
+  if not shutil.which(compiler):
+    raise RuntimeError(f'the C++ compiler $CXX={compiler!r} does not exist; '
+                       f'set CXX to one that does, or unset it')
   target.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
     built = pathlib.Path(tmp) / target.name

@@ -319,3 +319,22 @@ def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
   backward = flops.em_conv_kernel_cost(shape, 3, backward=True)
   assert backward.bytes == 2 * operands
   assert backward.flops == 3 * kernel.flops
+
+
+def test_without_a_compiler_conv_capsules_route_through_xla(tmp_path):
+  code = '\n'.join([
+      'import jax.numpy as jnp',
+      'from capsjax import em_kernel, layers',
+      'print(em_kernel.status())',
+      'out = layers.conv_capsule_routing(',
+      '    jnp.zeros((1, 5, 5, 2, 4, 4)), jnp.ones((1, 5, 5, 2)),',
+      '    jnp.zeros((3, 3, 2, 3, 4, 4)), jnp.zeros(3), jnp.zeros(3), stride=2)',
+      'print([o.shape for o in out])'])
+  result = subprocess.run(
+      [sys.executable, '-c', code], capture_output=True, text=True,
+      check=True, env={**os.environ, 'CXX': '/nonexistent/g++',
+                       'CAPSJAX_CACHE_DIR': str(tmp_path)})
+  assert result.stdout.splitlines() == [
+      "not available: the C++ compiler $CXX='/nonexistent/g++' does not "
+      'exist; set CXX to one that does, or unset it',
+      '[(1, 2, 2, 3, 4, 4), (1, 2, 2, 3), (1, 2, 2, 18, 3)]']
