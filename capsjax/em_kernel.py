@@ -18,10 +18,10 @@ both activation forms, ``normalize_cost``, ``center_momentum`` and any
 ``variance_epsilon``, for 4 x 4 poses in float32 or float64 (bfloat16 poses
 and transforms, as in mixed precision, are multiplied and routed in
 float32: the votes are never stored, so there is no memory to save by
-rounding them). It is first-order
-differentiable (no Hessians: route with ``impl='xla'`` for those). Without a
-compiler, or with ``CAPSJAX_EM_KERNEL=0``, conv capsule layers route through
-XLA as before; ``status()`` says which.
+rounding them). It is first-order differentiable (no Hessians: route with
+``impl='xla'`` for those). Without a compiler, or with
+``CAPSJAX_EM_KERNEL=0``, conv capsule layers route through XLA;
+``status()`` says which.
 """
 
 from __future__ import annotations
