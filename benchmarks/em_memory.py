@@ -42,9 +42,9 @@ from experiments import benchmark
 _MIB = 2.0**20
 
 
-def _train_step(spec: str, batch: int, options: dict, impl: str = 'auto'):
+def _train_step(spec: str, batch: int, options: dict, impl: str = 'kernel'):
   """(jitted train step, its example arguments) of a config at ``batch``,
-  its conv capsule layers routing with ``impl``'s chunks."""
+  its conv capsule layers routing as ``impl`` says."""
   config = benchmark.configure(
       spec, batch_size=batch,
       options=options | _routing_options(impl))
@@ -106,15 +106,15 @@ def _layer_inputs(model, batch: int, key):
 
 def _layer_fns(model, impl: str):
   """Pure (params, poses, activations) -> scalar of each EM layer."""
+  routing = _routing_options(impl)
+
   def conv(layer):
     def f(params, poses, acts):
       out_poses, out_acts, _ = layers.conv_capsule_routing(
           poses, acts, *params, stride=layer.stride,
           normalize_across_positions=layer.normalize_across_positions,
-          true_stride=layer.true_stride,
-          window_chunk=_routing_options(impl)['window_chunk'],
-          impl=_routing_options(impl)['routing_impl'],
-          **layer.routing_options)
+          true_stride=layer.true_stride, window_chunk=routing['window_chunk'],
+          impl=routing['routing_impl'], **layer.routing_options)
       return jnp.sum(out_poses) + jnp.sum(out_acts)
     return f, (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
 
