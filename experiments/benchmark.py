@@ -687,20 +687,11 @@ def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
                       dtype) -> tuple[Callable, Callable, tuple, Any]:
   """(forward, forward+backward, args, analytic cost fn) of a routing case."""
   key_v, key_a, key_b = jax.random.split(jax.random.PRNGKey(0), 3)
-  votes = jax.random.normal(key_v, shape, jnp.float32).astype(dtype)
   num_out, dim = shape[-2], shape[-1]
-  if kind == 'dynamic':
-    bias = 0.1 * jax.random.normal(key_b, (num_out, dim), jnp.float32)
-    forward = lambda v, b: routing.dynamic_routing(v, num_iterations, bias=b)
-    loss = lambda v, b: jnp.sum(forward(v, b)[0].astype(jnp.float32))
-    backward = jax.grad(loss)
-    cost = functools.partial(flops_lib.dynamic_routing_cost, shape,
-                             num_iterations, bias=True,
-                             dtype_bytes=jnp.dtype(dtype).itemsize)
-    return forward, backward, (votes, bias), cost
   activations = jax.random.uniform(key_a, shape[:-2], jnp.float32)
   betas = jnp.zeros((num_out,), jnp.float32)
   if kind == 'em_kernel':
+    # Pose patches, not votes: the kernel makes the votes itself.
     num_in = shape[-3]
     poses = jax.random.normal(key_v, (math.prod(shape[:-3]), num_in, 4, 4),
                               jnp.float32).astype(dtype)
@@ -713,6 +704,16 @@ def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
                              num_iterations)
     return (forward, jax.grad(loss, argnums=(0, 1)),
             (poses, activations.reshape(poses.shape[:2])), cost)
+  votes = jax.random.normal(key_v, shape, jnp.float32).astype(dtype)
+  if kind == 'dynamic':
+    bias = 0.1 * jax.random.normal(key_b, (num_out, dim), jnp.float32)
+    forward = lambda v, b: routing.dynamic_routing(v, num_iterations, bias=b)
+    loss = lambda v, b: jnp.sum(forward(v, b)[0].astype(jnp.float32))
+    backward = jax.grad(loss)
+    cost = functools.partial(flops_lib.dynamic_routing_cost, shape,
+                             num_iterations, bias=True,
+                             dtype_bytes=jnp.dtype(dtype).itemsize)
+    return forward, backward, (votes, bias), cost
   forward = lambda v, a: routing.em_routing(v, a, betas, betas,
                                             num_iterations)
   loss = lambda v, a: sum(jnp.sum(x.astype(jnp.float32))
