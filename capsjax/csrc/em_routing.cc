@@ -93,6 +93,7 @@ struct Scratch {
   std::vector<T> assign;              // [T, I, O]: R entering each M-step
   std::vector<T> mu, mu_new, var_eps; // [T, D, O]: var_eps = sigma^2 + eps
   std::vector<T> mass, logit, cost, cost_std;  // [T, O], [T, O], [T, O], [T]
+  std::vector<T> sum_log_var;         // [T, O]: sum_d log(sigma^2 + eps)
   std::vector<T> sums;                // [D, O]
   std::vector<T> inv_var;             // [T, D, O]: 1 / var_eps
   std::vector<T> offset, num;         // [O]
@@ -108,6 +109,7 @@ struct Scratch {
       : num_in(i), num_out(o), iterations(t), votes(i * kDim * o),
         assign(t * i * o), mu(t * kDim * o), mu_new(t * kDim * o),
         var_eps(t * kDim * o), mass(t * o), logit(t * o), cost(t * o),
+        sum_log_var(t * o),
         cost_std(t), sums(kDim * o), inv_var(t * kDim * o), offset(o), num(o) {
     if (!backward) return;
     for (auto* v : {&g_mu, &g_lv, &g_mu_prev, &g_var, &g_mu_new, &g_s, &g_mu_e})
@@ -197,12 +199,14 @@ void Forward(const Options& opt, const T* x, const T* a, const T* wt,
     }
     T* cost = s.cost.data() + t * O;
     T* logit = s.logit.data() + t * O;
+    T* sum_log_var = s.sum_log_var.data() + t * O;
     for (int64_t o = 0; o < O; ++o) {
       T sum_lv = 0;
       for (int64_t d = 0; d < kDim; ++d) {
         ve[d * O + o] += var_floor;
         sum_lv += std::log(ve[d * O + o]);
       }
+      sum_log_var[o] = sum_lv;
       cost[o] = opt.authors_form
                     ? m[o] * (sum_lv + beta_u[o] * T(kDim) * T(kLog2Pi + 1.0))
                     : (T(kDim) * beta_u[o] + T(0.5) * sum_lv) * m[o];
@@ -228,12 +232,9 @@ void Forward(const Options& opt, const T* x, const T* a, const T* wt,
     T* iv = s.inv_var.data() + t * DO;
     T* offset = s.offset.data();
     for (int64_t o = 0; o < O; ++o) {
-      T sum_lv = 0;
-      for (int64_t d = 0; d < kDim; ++d) {
-        iv[d * O + o] = T(1) / ve[d * O + o];
-        sum_lv += std::log(ve[d * O + o]) + T(kLog2Pi);
-      }
-      offset[o] = LogSigmoid(logit[o]) - T(0.5) * sum_lv;
+      for (int64_t d = 0; d < kDim; ++d) iv[d * O + o] = T(1) / ve[d * O + o];
+      offset[o] = LogSigmoid(logit[o]) -
+                  T(0.5) * (sum_log_var[o] + T(kDim) * T(kLog2Pi));
     }
     T* R_next = s.assign.data() + (t + 1) * I * O;
     T* m_next = s.mass.data() + (t + 1) * O;
@@ -425,9 +426,9 @@ void Backward(const Options& opt, const T* x, const T* a, const T* wt,
       mean_g /= T(O);
       for (int64_t o = 0; o < O; ++o) g_cost[o] -= mean_g;
     }
+    const T* sum_log_var = s.sum_log_var.data() + t * O;
     for (int64_t o = 0; o < O; ++o) {
-      T sum_lv = 0;
-      for (int64_t d = 0; d < kDim; ++d) sum_lv += std::log(ve[d * O + o]);
+      const T sum_lv = sum_log_var[o];
       T g_lv_cost;
       if (opt.authors_form) {
         // cost = m (sum_d lv + beta_u D (log 2pi + 1)).
