@@ -198,7 +198,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   num_out = weights.shape[1]
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
   lambdas = routing._inverse_temperatures(inverse_temperature, num_iterations,
-                                          dtype).astype(dtype)
+                                          dtype)
   return _route(poses.astype(dtype), activations.astype(dtype),
                 weights.astype(dtype), cast(beta_u), cast(beta_a), lambdas,
                 num_iterations, activation_form, bool(normalize_cost),
