@@ -189,6 +189,17 @@ def kernels(x_shape, kernel_shape, stride: int = 1,
   return lib.ImplInfo(*(ctypes.c_int64(int(v)) for v in sizes)).decode()
 
 
+def _check_bfloat16_kernels(dtype, what: str) -> None:
+  """Raises ValueError for bfloat16 operands on a CPU where oneDNN has no
+  bfloat16 kernels (it refuses to build them there)."""
+  if jnp.dtype(dtype) == jnp.bfloat16 and not native_bf16():
+    raise ValueError(
+        f'oneDNN {what}: this CPU has no bfloat16 instructions for oneDNN '
+        f'(AVX512-BF16 or AMX; oneDNN runs {cpu_isa()}), so it has no '
+        f'bfloat16 kernels here. Use float32 operands, or capsjax.conv.conv2d, '
+        f'which computes bfloat16 with XLA on such a CPU.')
+
+
 def _call(target: str, shape, dtype, stride: int, padding: Padding,
           *operands) -> jax.Array:
   if not available():
@@ -198,6 +209,7 @@ def _call(target: str, shape, dtype, stride: int, padding: Padding,
                                         jnp.dtype(jnp.bfloat16)}:
     raise ValueError(f'oneDNN convolutions take operands all float32 or all '
                      f'bfloat16, got {sorted(d.name for d in dtypes)}.')
+  _check_bfloat16_kernels(operands[0].dtype, 'convolutions')
   out = jax.ShapeDtypeStruct(shape, dtype)
   return jax.ffi.ffi_call(target, out, vmap_method='sequential')(
       *operands, **_geometry(stride, padding))
@@ -270,6 +282,7 @@ def matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
                      f'bfloat16, the result float32 or theirs; got '
                      f'{a.dtype} {a.shape}, {b.dtype} {b.shape} -> '
                      f'{out_dtype}.')
+  _check_bfloat16_kernels(a.dtype, 'matmul')
   m, k = a.shape[::-1] if transpose_a else a.shape
   k_b, n = b.shape[::-1] if transpose_b else b.shape
   if k != k_b:

@@ -11,10 +11,13 @@
 // the kernel, Kh*Kw*C*F floats, is reordered to the layout oneDNN wants.
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -45,6 +48,44 @@ namespace {
 dnnl::engine& Engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
+}
+
+// Every primitive here is made with a scratchpad that this file owns.
+// oneDNN's default ("library") scratchpad is global per thread: a
+// primitive reads the scratchpad of the thread that executes it, sized by
+// the primitives created on that thread. These primitives are created once
+// and then executed on whichever XLA thread runs the call, so a primitive
+// that needs scratch space (oneDNN's gemm convolutions, picked below
+// AVX-512, keep their im2col columns there) got a null or too small
+// buffer: a segfault, "could not execute a primitive", or heap corruption.
+dnnl::primitive_attr OwnScratchpad() {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+// The scratchpad of the primitive being executed: one buffer for all of
+// them (they run one at a time, OneAtATime), grown to the largest asked
+// for and kept, 64-byte aligned as oneDNN's own allocations are.
+memory Scratchpad(const memory::desc& wanted) {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  static std::unique_ptr<void, Free> buffer;
+  static size_t capacity = 0;
+  const size_t size = wanted.get_size();
+  if (size > capacity) {
+    buffer.reset();
+    void* data = nullptr;
+    const size_t rounded = (size + 63) / 64 * 64;
+    if (posix_memalign(&data, 64, rounded) != 0) {
+      capacity = 0;
+      throw dnnl::error(dnnl_out_of_memory, "scratchpad allocation failed");
+    }
+    buffer.reset(data);
+    capacity = rounded;
+  }
+  return memory(wanted, Engine(), size ? buffer.get() : nullptr);
 }
 
 // Every size of one convolution (the output's come from the output buffer)
@@ -106,7 +147,7 @@ dnnl::convolution_forward::primitive_desc ForwardDesc(const Shapes& s) {
   return dnnl::convolution_forward::primitive_desc(
       Engine(), dnnl::prop_kind::forward_training,
       dnnl::algorithm::convolution_direct, SrcDesc(s), AnyWeightsDesc(s),
-      DstDesc(s), Strides(s), PadLow(s), PadHigh(s));
+      DstDesc(s), Strides(s), PadLow(s), PadHigh(s), OwnScratchpad());
 }
 
 dnnl::convolution_backward_data::primitive_desc InputGradDesc(
@@ -114,7 +155,7 @@ dnnl::convolution_backward_data::primitive_desc InputGradDesc(
   return dnnl::convolution_backward_data::primitive_desc(
       Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
       AnyWeightsDesc(s), DstDesc(s), Strides(s), PadLow(s), PadHigh(s),
-      ForwardDesc(s));
+      ForwardDesc(s), OwnScratchpad());
 }
 
 dnnl::convolution_backward_weights::primitive_desc KernelGradDesc(
@@ -124,7 +165,7 @@ dnnl::convolution_backward_weights::primitive_desc KernelGradDesc(
   return dnnl::convolution_backward_weights::primitive_desc(
       Engine(), dnnl::algorithm::convolution_direct, SrcDesc(s),
       AnyWeightsDesc(s, dt::f32), DstDesc(s), Strides(s), PadLow(s), PadHigh(s),
-      ForwardDesc(s));
+      ForwardDesc(s), OwnScratchpad());
 }
 
 // A primitive and the weights layout it wants, built once per shape:
@@ -134,7 +175,24 @@ dnnl::convolution_backward_weights::primitive_desc KernelGradDesc(
 struct Prepared {
   dnnl::primitive primitive;
   memory::desc weights;
+  memory::desc scratchpad;
 };
+
+// Runs a primitive on its arguments and this file's scratchpad (the
+// caller holds OneAtATime).
+void Execute(const dnnl::primitive& primitive,
+             const memory::desc& scratchpad, dnnl::stream& stream,
+             std::unordered_map<int, memory> args) {
+  args.emplace(DNNL_ARG_SCRATCHPAD, Scratchpad(scratchpad));
+  primitive.execute(stream, args);
+}
+
+// from's values written into to's layout.
+void Reorder(memory& from, memory& to, dnnl::stream& stream) {
+  dnnl::reorder::primitive_desc pd(from, to, OwnScratchpad());
+  Execute(dnnl::reorder(pd), pd.scratchpad_desc(), stream,
+          {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}});
+}
 
 enum class Pass { kForward, kInputGrad, kKernelGrad };
 
@@ -158,7 +216,7 @@ memory Weights(const memory::desc& wanted, const Shapes& s, void* data,
   memory user(UserWeightsDesc(s), Engine(), data);
   if (wanted == user.get_desc()) return user;
   memory out(wanted, Engine());
-  dnnl::reorder(user, out).execute(stream, user, out);
+  Reorder(user, out, stream);
   return out;
 }
 
@@ -203,13 +261,14 @@ ffi::Error Forward(ffi::AnyBuffer x, ffi::AnyBuffer k,
     dnnl::stream stream(Engine());
     const Prepared& p = Cached(Pass::kForward, s, [&] {
       auto pd = ForwardDesc(s);
-      return Prepared{dnnl::convolution_forward(pd), pd.weights_desc()};
+      return Prepared{dnnl::convolution_forward(pd), pd.weights_desc(),
+                      pd.scratchpad_desc()};
     });
     memory src(SrcDesc(s), Engine(), x.untyped_data());
     memory dst(DstDesc(s), Engine(), y->untyped_data());
     memory wei = Weights(p.weights, s, k.untyped_data(), stream);
-    p.primitive.execute(
-        stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+    Execute(p.primitive, p.scratchpad, stream,
+            {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
     stream.wait();
   });
 }
@@ -223,14 +282,15 @@ ffi::Error InputGrad(ffi::AnyBuffer dy, ffi::AnyBuffer k,
     dnnl::stream stream(Engine());
     const Prepared& p = Cached(Pass::kInputGrad, s, [&] {
       auto pd = InputGradDesc(s);
-      return Prepared{dnnl::convolution_backward_data(pd), pd.weights_desc()};
+      return Prepared{dnnl::convolution_backward_data(pd), pd.weights_desc(),
+                      pd.scratchpad_desc()};
     });
     memory diff_dst(DstDesc(s), Engine(), dy.untyped_data());
     memory diff_src(SrcDesc(s), Engine(), dx->untyped_data());
     memory wei = Weights(p.weights, s, k.untyped_data(), stream);
-    p.primitive.execute(
-        stream, {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, wei},
-                 {DNNL_ARG_DIFF_SRC, diff_src}});
+    Execute(p.primitive, p.scratchpad, stream,
+            {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, wei},
+             {DNNL_ARG_DIFF_SRC, diff_src}});
     stream.wait();
   });
 }
@@ -245,17 +305,17 @@ ffi::Error KernelGrad(ffi::AnyBuffer x, ffi::AnyBuffer dy,
     const Prepared& p = Cached(Pass::kKernelGrad, s, [&] {
       auto pd = KernelGradDesc(s);
       return Prepared{dnnl::convolution_backward_weights(pd),
-                      pd.diff_weights_desc()};
+                      pd.diff_weights_desc(), pd.scratchpad_desc()};
     });
     memory src(SrcDesc(s), Engine(), x.untyped_data());
     memory diff_dst(DstDesc(s), Engine(), dy.untyped_data());
     memory user(UserWeightsDesc(s, dt::f32), Engine(), dk->typed_data());
     bool direct = p.weights == user.get_desc();
     memory diff_wei = direct ? user : memory(p.weights, Engine());
-    p.primitive.execute(
-        stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst},
-                 {DNNL_ARG_DIFF_WEIGHTS, diff_wei}});
-    if (!direct) dnnl::reorder(diff_wei, user).execute(stream, diff_wei, user);
+    Execute(p.primitive, p.scratchpad, stream,
+            {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst},
+             {DNNL_ARG_DIFF_WEIGHTS, diff_wei}});
+    if (!direct) Reorder(diff_wei, user, stream);
     stream.wait();
   });
 }
@@ -270,23 +330,25 @@ void RunMatmul(const void* a, const void* b, void* y, memory::dim m,
   memory::desc a_desc({m, k}, in_type, transpose_a ? tag::ba : tag::ab);
   memory::desc b_desc({k, n}, in_type, transpose_b ? tag::ba : tag::ab);
   memory::desc y_desc({m, n}, out_type, tag::ab);
-  static std::map<std::array<memory::dim, 7>, dnnl::matmul> cache;
+  static std::map<std::array<memory::dim, 7>, Prepared> cache;
   std::array<memory::dim, 7> key{m, k, n, transpose_a, transpose_b,
                                  static_cast<memory::dim>(in_type),
                                  static_cast<memory::dim>(out_type)};
   auto found = cache.find(key);
   if (found == cache.end()) {
-    found = cache.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(
-                                   Engine(), a_desc, b_desc, y_desc)))
+    dnnl::matmul::primitive_desc pd(Engine(), a_desc, b_desc, y_desc,
+                                    OwnScratchpad());
+    found = cache.emplace(key, Prepared{dnnl::matmul(pd), b_desc,
+                                        pd.scratchpad_desc()})
                 .first;
   }
   dnnl::stream stream(Engine());
   memory a_mem(a_desc, Engine(), const_cast<void*>(a));
   memory b_mem(b_desc, Engine(), const_cast<void*>(b));
   memory y_mem(y_desc, Engine(), y);
-  found->second.execute(stream, {{DNNL_ARG_SRC, a_mem},
-                                 {DNNL_ARG_WEIGHTS, b_mem},
-                                 {DNNL_ARG_DST, y_mem}});
+  Execute(found->second.primitive, found->second.scratchpad, stream,
+          {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem},
+           {DNNL_ARG_DST, y_mem}});
   stream.wait();
 }
 
