@@ -60,16 +60,38 @@ def _load() -> tuple[bool, str]:
   if os.environ.get('CAPSJAX_EM_KERNEL', '1') == '0':
     return False, 'off (CAPSJAX_EM_KERNEL=0)'
   try:
+    march = native.arch()
     library = native.build(_SOURCE, 'capsjax_em_routing_',
-                           ['-O3', '-march=native', '-ffp-contract=fast',
-                            '-fno-math-errno'], [_cpu_key()])
+                           ['-O3', f'-march={march}', '-ffp-contract=fast',
+                            '-fno-math-errno'],
+                           [_cpu_key()] if march == 'native' else [])
     lib = ctypes.CDLL(str(library))
     for name in _TARGETS:
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
                                   platform='cpu')
   except (OSError, RuntimeError, AttributeError) as error:
     return False, f'not available: {error}'
-  return True, 'in use (conv capsule routing on the CPU)'
+  return True, (f'in use (conv capsule routing on the CPU; built for '
+                f'-march={march})')
+
+
+# What conv capsule layers traced in this process routed with: 'fused
+# kernel' or 'XLA (why)', and how many layer traces did (run summaries say
+# which native paths ran).
+_choices: dict[str, int] = {}
+
+
+def note_choice(used: bool, why_not: str) -> None:
+  """Counts one conv capsule layer trace's routing (``layers`` calls it)."""
+  choice = 'fused kernel' if used else f'XLA ({why_not})'
+  _choices[choice] = _choices.get(choice, 0) + 1
+
+
+def choices() -> str:
+  """What the conv capsule layers traced so far routed with, in words
+  ('' when none was traced)."""
+  return '; '.join(f'{choice}: {count} layer trace(s)'
+                   for choice, count in sorted(_choices.items()))
 
 
 def available() -> bool:

@@ -151,14 +151,16 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
   """y + bias along the last axis: y [..., F], bias [F] -> [..., F] in y's dtype.
 
   The bias gradient, the cotangent summed over every other axis, is
-  accumulated in float32 whatever the dtype. Left to autodiff, a bfloat16
-  bias sums its gradient in bfloat16 on XLA:CPU: over a batch-128 26x26
-  convolution output that sum was off by 19% of its norm, and took about 10x
-  as long as the float32 sum. (Not float32, it is a custom VJP: reverse mode
-  only, as training uses it.)
+  accumulated in float32, or float64 where the cotangent is float64. Left
+  to autodiff, a bfloat16 bias sums its gradient in bfloat16 on XLA:CPU:
+  over a batch-128 26x26 convolution output that sum was off by 19% of its
+  norm, and took about 10x as long as the float32 sum. (Where y and bias
+  are both float32 or both float64 this is plain addition, autodiff summing
+  in their dtype; else a custom VJP: reverse mode only, as training uses
+  it.)
   """
-  if y.dtype == jnp.float32 and bias.dtype == jnp.float32:
-    return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))  # autodiff sums in f32
+  if y.dtype == bias.dtype == jnp.promote_types(y.dtype, jnp.float32):
+    return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))  # autodiff's own sum
   return _add_bias_f32_sum(y, bias)
 
 
@@ -171,8 +173,16 @@ def _add_bias_fwd(y, bias):
   return _add_bias_f32_sum(y, bias), bias  # [F]: only its dtype is needed
 
 
+def _sum_rows(dy: jax.Array) -> jax.Array:
+  """dy [..., F] summed over every axis but the last: [F], in float32, or
+  float64 for a float64 dy (``sum_rows_float32`` would round it)."""
+  if jnp.promote_types(dy.dtype, jnp.float32) != jnp.float32:
+    return jnp.sum(dy, axis=tuple(range(dy.ndim - 1)))
+  return sum_rows_float32(dy)
+
+
 def _add_bias_bwd(bias, dy):
-  return dy, sum_rows_float32(dy).astype(bias.dtype)
+  return dy, _sum_rows(dy).astype(bias.dtype)
 
 
 _add_bias_f32_sum.defvjp(_add_bias_fwd, _add_bias_bwd)
@@ -617,8 +627,11 @@ def _use_em_kernel(impl, window_chunk, why_not: str) -> bool:
   if impl == 'kernel' and why_not:
     raise ValueError(f"impl='kernel': the fused EM kernel cannot route these "
                      f"windows: {why_not}. Use impl=None or 'xla'.")
-  return impl == 'kernel' or (impl is None and window_chunk is None
-                              and not why_not)
+  use = impl == 'kernel' or (impl is None and window_chunk is None
+                             and not why_not)
+  em_kernel.note_choice(use, why_not or (
+      "impl='xla'" if impl == 'xla' else 'window_chunk is set'))
+  return use
 
 
 def conv_capsule_routing(

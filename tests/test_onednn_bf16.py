@@ -190,7 +190,8 @@ def test_native_bfloat16_kernels_are_optimised_ones():
   """oneDNN's bfloat16 kernels for the CPU's instructions, not its
   reference ones, for the CapsNet's layers and Su's 3x3 layer."""
   _native_bf16_or_skip()
-  assert conv.backend().startswith('oneDNN (float32; bfloat16 by oneDNN (')
+  assert conv.backend().startswith(
+      f'oneDNN (float32 by {onednn.cpu_isa()} kernels; bfloat16 by oneDNN (')
   for x_shape, kernel_shape, stride in [
       ((2, 28, 28, 1), (9, 9, 1, 256), 1),
       ((2, 20, 20, 256), (9, 9, 256, 256), 2),

@@ -28,16 +28,18 @@ from capsjax.conv.products import dot_general
 
 def backend() -> str:
   """Which convolutions this process runs, in words: 'oneDNN' or 'XLA', and
-  why not oneDNN on the CPU, for float32 and for bfloat16 (for the run's
-  header, summary and benchmark rows), e.g. 'oneDNN (float32; bfloat16 by
-  oneDNN (avx512_core_bf16))'."""
+  why not oneDNN on the CPU, for float32 and for bfloat16, and the
+  instruction set of oneDNN's kernels (for the run's header, summary and
+  benchmark rows), e.g. 'oneDNN (float32 by avx512_core_bf16 kernels;
+  bfloat16 by oneDNN (avx512_core_bf16); XLA for other dtypes)'."""
   platform = jax.default_backend()
   if platform != 'cpu':
     return f'XLA ({platform})'
   if not onednn.available():
     return f'XLA (oneDNN {onednn.status()})'
   _, bf16 = onednn.bf16_status()
-  return f'oneDNN (float32; bfloat16 by {bf16}; XLA for other dtypes)'
+  return (f'oneDNN (float32 by {onednn.cpu_isa()} kernels; bfloat16 by '
+          f'{bf16}; XLA for other dtypes)')
 
 
 __all__ = (

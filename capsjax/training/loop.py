@@ -22,6 +22,7 @@ from flax import nnx
 
 from capsjax import conv
 from capsjax import data as data_lib
+from capsjax import em_kernel
 from capsjax import evaluators
 from capsjax.training import metrics as metrics_lib
 from capsjax.training.checkpoints import CheckpointDamaged
@@ -393,7 +394,7 @@ class _Run:
             f'validation / {len(d.test.labels)} test; {c.num_train_steps} '
             f'steps of batch {c.batch_size} on {self.mesh.size} '
             f'{jax.devices()[0].platform} device(s); convolutions: '
-            f'{conv.backend()}.')
+            f'{conv.backend()}{_em_kernel_words(c)}.')
 
   def stop_reason(self) -> str | None:
     """Why ``stop_when`` stops training at the best validation record (None:
@@ -653,6 +654,14 @@ def _final_line(summary: dict[str, Any], workdir: str) -> str:
   return line + f' Summary: {os.path.join(workdir, "summary.json")}'
 
 
+def _em_kernel_words(config: ml_collections.ConfigDict) -> str:
+  """'; EM routing kernel: STATUS' for models with conv capsules (building
+  the kernel now, if it is not cached, rather than at the first step)."""
+  if config.model != 'matrix_capsnet':
+    return ''
+  return f'; fused EM routing kernel: {em_kernel.status()}'
+
+
 def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
              compile_s: float | None, environment: dict[str, Any]
              ) -> dict[str, Any]:
@@ -677,6 +686,10 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
                                 not stopped_early),
       'max_train_seconds': config.get('max_train_seconds') or 0,
       'conv_backend': conv.backend(),
+      # Which native code ran: the layers' routing choices, and the kernel's
+      # build (its instruction set) or why it is not there.
+      'em_routing': em_kernel.choices() or None,
+      'em_kernel': em_kernel.status() if em_kernel.choices() else None,
       'batch_size': config.batch_size,
       **environment,
       'num_devices': run.mesh.size,  # those trained on, not all there are
