@@ -9,6 +9,9 @@ environment, or YNNPACK fusion types already named in ``XLA_FLAGS``, leave
 ``XLA_FLAGS`` alone (tests/test_cpu_convolutions.py).
 """
 
+from capsjax.attention_routing import efficient_squash
+from capsjax.attention_routing import inverted_dot_product_routing
+from capsjax.attention_routing import self_attention_routing
 from capsjax.conv import dispatch
 from capsjax.losses import cross_entropy_loss
 from capsjax.losses import margin_loss
@@ -41,12 +44,15 @@ __all__ = (
     'coupling_coefficients',
     'cross_entropy_loss',
     'dynamic_routing',
+    'efficient_squash',
     'em_routing',
     'inverse_temperature_schedule',
+    'inverted_dot_product_routing',
     'margin_loss',
     'matrix_votes',
     'reconstruction_loss',
     'safe_norm',
+    'self_attention_routing',
     'shared_vector_votes',
     'spread_loss',
     'spread_loss_margin',

@@ -340,3 +340,112 @@ __all__ = (
     'em_routing_cost',
     'roofline_seconds',
 )
+
+
+# ----------------------------------------------------------------------------
+# Attention routings (capsjax.attention_routing). Backward, as EM routing's:
+# 2x the forward flops (every contraction has two differentiated operands).
+
+
+def efficient_squash_flops(num_out: int, dim: int) -> tuple[int, int]:
+  """(flops, transcendentals) of ``efficient_squash`` on [O, D].
+
+    |s| = sqrt(|s|^2 + eps):      square, sum 2*O*D; add O; O sqrt
+    -expm1(-|s|) / |s| * s:       negate, negate, divide 3*O; O expm1;
+                                  multiply O*D
+
+  Total: 3OD + 4O flops, 2O transcendentals.
+  """
+  return 3 * num_out * dim + 4 * num_out, 2 * num_out
+
+
+def _attention_cost(n: int, num_in: int, num_out: int, dim: int,
+                    per_example: tuple[int, int], passes: int,
+                    parameter_bytes: int, dtype_bytes: int,
+                    backward: bool) -> Cost:
+  """Cost from per-example counts; bytes as ``em_routing_cost``'s."""
+  flops, transcendentals = n * per_example[0], n * per_example[1]
+  votes_bytes = n * num_in * num_out * dim * dtype_bytes
+  small = (n * num_out * dim * dtype_bytes + n * num_in * num_out * 4
+           + parameter_bytes)
+  if backward:
+    return Cost(3 * flops, transcendentals, 2 * votes_bytes + 2 * small,
+                (2 * passes + 1) * votes_bytes + 2 * small)
+  return Cost(flops, transcendentals, votes_bytes + small,
+              passes * votes_bytes + small)
+
+
+def self_attention_routing_cost(votes_shape: Sequence[int], *,
+                                log_priors: bool = False,
+                                dtype_bytes: int = 4,
+                                backward: bool = False) -> Cost:
+  """Cost of ``attention_routing.self_attention_routing(votes)``.
+
+  Per example, for votes [I, O, D]:
+
+    sum_k u_ko [O, D]:               I*O*D
+    a = <u_io, sum_k u_ko> / sqrt(D): 2*I*O*D + I*O
+    softmax_O [I, O]:                4*I*O, I*O exp
+    + priors [I, O]:                 I*O (with ``log_priors``)
+    s = sum_i c u [O, D]:            2*I*O*D
+    efficient_squash [O, D]:         3*O*D + 4*O, 2*O transcendentals
+
+  flops = N * (5IOD + 5IO (+ IO) + 3OD + 4O), transcendentals = N * (IO + 2O),
+  bytes = votes N*I*O*D*b + outputs N*O*D*b + coupling N*I*O*4 (+ priors
+  I*O*4). ``streaming_bytes`` reads the votes 3 times (sum, agreement,
+  weighted sum). ``backward``: 3x the forward flops.
+  """
+  n, num_in, num_out, dim = _split_votes_shape(votes_shape)
+  i_o, i_o_d = num_in * num_out, num_in * num_out * dim
+  squash_flops, squash_transcendentals = efficient_squash_flops(num_out, dim)
+  flops = 5 * i_o_d + (6 if log_priors else 5) * i_o + squash_flops
+  transcendentals = i_o + squash_transcendentals
+  return _attention_cost(n, num_in, num_out, dim, (flops, transcendentals), 3,
+                         i_o * 4 if log_priors else 0, dtype_bytes, backward)
+
+
+def inverted_dot_product_routing_cost(
+    votes_shape: Sequence[int], num_iterations: int = 2, *,
+    layer_norm: bool = True, affine: bool = False, dtype_bytes: int = 4,
+    backward: bool = False) -> Cost:
+  """Cost of ``attention_routing.inverted_dot_product_routing(votes, T)``.
+
+  Per example, for votes [I, O, D]: T pose updates and T - 1 routing
+  updates (the first pass's uniform 1/O is a constant):
+
+    pose update p = sum_i r v [O, D]:  2*I*O*D
+    LayerNorm over D [O, D]:           mean O*D + O, centre O*D, square and
+                                       sum 2*O*D, divide, add eps 2*O, O rsqrt,
+                                       multiply O*D: 5*O*D + 3*O (+ 2*O*D with
+                                       ``affine``); none with D = 1
+    routing update [I, O]:             agreement 2*I*O*D + I*O (the 1/sqrt(D)),
+                                       softmax_O 4*I*O and I*O exp,
+                                       renormalisation 2*I*O + I
+
+  flops = N * (T * (2IOD + LN) + (T - 1) * (2IOD + 7IO + I)),
+  transcendentals = N * (T * O (with the LayerNorm) + (T - 1) * IO); bytes as
+  ``self_attention_routing_cost`` (+ the affine parameters 2*D*4).
+  ``streaming_bytes`` reads the votes 2T - 1 times. ``backward``: 3x the
+  forward flops.
+  """
+  _check_iterations(num_iterations)
+  n, num_in, num_out, dim = _split_votes_shape(votes_shape)
+  t = num_iterations
+  i_o, o_d, i_o_d = num_in * num_out, num_out * dim, num_in * num_out * dim
+  norm_flops = norm_transcendentals = 0
+  if layer_norm and dim > 1:
+    norm_flops = 5 * o_d + 3 * num_out + (2 * o_d if affine else 0)
+    norm_transcendentals = num_out
+  flops = t * (2 * i_o_d + norm_flops) + (t - 1) * (2 * i_o_d + 7 * i_o
+                                                    + num_in)
+  transcendentals = t * norm_transcendentals + (t - 1) * i_o
+  return _attention_cost(n, num_in, num_out, dim, (flops, transcendentals),
+                         2 * t - 1, 2 * dim * 4 if affine else 0, dtype_bytes,
+                         backward)
+
+
+__all__ += (
+    'efficient_squash_flops',
+    'inverted_dot_product_routing_cost',
+    'self_attention_routing_cost',
+)
