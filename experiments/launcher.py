@@ -300,8 +300,14 @@ def command_name() -> str:
 
 def run(train_and_evaluate: Callable, default_config: str, *,
         workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
-        'and summary.json; rerun with the same one to resume.') -> None:
-  """Define --workdir and --config (default ``configs/<default_config>``), run."""
+        'and summary.json; rerun with the same one to resume.',
+        reads_workdir: Callable[[], bool] | None = None) -> None:
+  """Define --workdir and --config (default ``configs/<default_config>``), run.
+
+  ``reads_workdir``: asked once the flags are parsed; True when the command
+  only reads a trained workdir (e.g. --predict), which is then not held
+  here (loading its model holds it shared) nor ever created.
+  """
   workdir = flags.DEFINE_string(
       'workdir', None, f'Required. {workdir_help}',
       module_name=sys.argv[0])  # --help lists the main module's flags
@@ -347,6 +353,9 @@ def run(train_and_evaluate: Callable, default_config: str, *,
             distributed['coordinator_address'].value,
             distributed['num_processes'].value,
             distributed['process_id'].value)
+      if reads_workdir is not None and reads_workdir():
+        train_and_evaluate(config.value, workdir.value)
+        return
       # Held before the data is read: a second launch on a busy workdir
       # stops at once, naming the run that holds it.
       with checkpoints.hold_workdir(workdir.value, command_name(),

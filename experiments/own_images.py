@@ -5,12 +5,15 @@
       --config.images=/path/to/folder
   python -m experiments.own_images --workdir=/tmp/mine --predict=new_photos/
 
-Training prints the data's report, the model's size and memory, then the
+Training prints the data's report, where each split comes from and the
+images of each class in it, the model's size and memory, then the
 per-class test accuracy (the confusion matrix is drawn in
 WORKDIR/figures/confusion_test.png). --predict prints one line per image:
-the file, its class name and the winning capsule's length.
+the file, its class name and the winning capsule's length; each file it
+cannot read is one line on stderr.
 """
 
+import os
 import sys
 
 from absl import flags
@@ -22,7 +25,11 @@ from experiments import launcher
 _PREDICT = flags.DEFINE_multi_string(
     'predict', None, 'Instead of training: image files or folders (read '
     'recursively) to classify with the model trained in --workdir; prints '
-    'each file, its class name and capsule length. Repeat for several.')
+    'each file, its class name and capsule length. Repeat for several. A '
+    'file that is missing or cannot be decoded is named on stderr (one line '
+    'each) and the rest are predicted; the exit status is 0 when at least '
+    'one image was predicted, 2 when none could be. --workdir must hold a '
+    'trained model (it is only read, never created).')
 
 
 def _report(summary: dict) -> None:
@@ -38,7 +45,22 @@ def _report(summary: dict) -> None:
     print(f'Confusion matrix: {per_class["figure"]}')
 
 
+def _check_trained(workdir: str) -> None:
+  """FileNotFoundError naming ``workdir`` unless a run saved its model
+  there: predict reads a workdir, it never makes one."""
+  if os.path.isfile(os.path.join(workdir, 'config.json')):
+    return
+  what = ('no such folder' if not os.path.exists(workdir) else
+          'no trained model in it: no config.json')
+  raise FileNotFoundError(
+      f'{workdir}: {what}. Train a model there first (python -m '
+      f'experiments.own_images --workdir={workdir} '
+      f'--config=experiments/configs/own_images.py --config.images=FOLDER), '
+      f'then predict with the same --workdir.')
+
+
 def _predict(workdir: str, paths: list[str]) -> None:
+  _check_trained(workdir)
   context = training.load_context(workdir)
   say = lambda line: print(line, file=sys.stderr)  # noqa: E731
   predictions = training.predict(context, paths, say=say)
@@ -56,4 +78,7 @@ def main(config, workdir: str) -> None:
 
 
 if __name__ == '__main__':
-  launcher.run(main, 'own_images.py')
+  # --predict only reads the workdir: the launcher neither holds nor makes
+  # it.
+  launcher.run(main, 'own_images.py',
+               reads_workdir=lambda: bool(_PREDICT.value))

@@ -8,6 +8,8 @@ split of ../shared/data as a folder of PNGs and trains on it through the
 folder and through the built-in reader.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -105,7 +107,7 @@ def test_colour_to_grey_is_pillows_conversion():
 def test_an_image_of_the_target_size_is_kept_pixel_for_pixel(tmp_path):
   array = _random(16, 16)
   path = _save(tmp_path / 'x.png', array)
-  decoded, grey, size = images.decode_image(path, 16, 'center_crop')
+  decoded, grey, size, _ = images.decode_image(path, 16, 'center_crop')
   np.testing.assert_array_equal(decoded, array)
   assert not grey and size == (16, 16)
 
@@ -126,9 +128,64 @@ def test_sixteen_bit_grey_is_scaled_to_eight_bits(tmp_path):
   array[:, :8] = 257 * 100
   path = tmp_path / 'deep.png'
   Image.fromarray(array).save(path)
-  decoded, grey, _ = images.decode_image(path, 16, 'center_crop')
+  decoded, grey, _, _ = images.decode_image(path, 16, 'center_crop')
   assert grey
   assert decoded[0, 0, 0] == 100 and decoded[0, -1, 0] == 255
+
+
+def _strokes_rgba(size=16):
+  """Black strokes drawn in the alpha channel alone: RGB zero everywhere."""
+  rgba = np.zeros((size, size, 4), np.uint8)
+  rgba[4:12, 7:9, 3] = 255  # a vertical bar
+  rgba[4:12, 6, 3] = 128  # its soft edge
+  return rgba
+
+
+def test_a_shape_in_the_alpha_channel_is_composited_onto_white(tmp_path):
+  path = tmp_path / 'stroke.png'
+  Image.fromarray(_strokes_rgba(), 'RGBA').save(path)
+  decoded = images.decode_image(path, 16, 'center_crop')
+  assert decoded.shape_in_alpha and not decoded.grey
+  # Transparent -> white, opaque black -> black, half -> grey.
+  assert (decoded.array[0, 0] == 255).all()
+  assert (decoded.array[6, 7] == 0).all()
+  assert (decoded.array[6, 6] == 127).all()
+  grey = Image.fromarray(_strokes_rgba()[..., 3], 'L').convert('LA')
+  grey.putalpha(Image.fromarray(_strokes_rgba()[..., 3]))
+  grey.save(tmp_path / 'grey_alpha.png')
+  decoded = images.decode_image(tmp_path / 'grey_alpha.png', 16,
+                                'center_crop')
+  assert decoded.grey and decoded.array[0, 0, 0] == 255
+
+
+def test_a_coloured_transparent_image_is_not_warned_about(tmp_path):
+  rgba = np.zeros((16, 16, 4), np.uint8)
+  rgba[4:12, 4:12, :3] = _random(8, 8)  # colour where visible
+  rgba[4:12, 4:12, 3] = 255
+  path = tmp_path / 'icon.png'
+  Image.fromarray(rgba, 'RGBA').save(path)
+  decoded = images.decode_image(path, 16, 'center_crop')
+  assert not decoded.shape_in_alpha
+  np.testing.assert_array_equal(decoded.array[4:12, 4:12], rgba[4:12, 4:12,
+                                                                :3])
+  assert (decoded.array[0, 0] == 255).all()
+  # An opaque RGBA file decodes as its RGB did.
+  rgba[..., 3] = 255
+  Image.fromarray(rgba, 'RGBA').save(path)
+  decoded = images.decode_image(path, 16, 'center_crop')
+  np.testing.assert_array_equal(decoded.array, rgba[..., :3])
+
+
+def test_the_report_warns_about_shapes_in_the_alpha_channel(tmp_path):
+  _folder(tmp_path)
+  Image.fromarray(_strokes_rgba(), 'RGBA').save(tmp_path / 'a' / 'x.png')
+  own = images.read_folder(tmp_path, _options())
+  assert own.report['alpha_files'] == 1
+  warning = [line for line in images.report_lines(own.report)
+             if line.startswith('Warning:')]
+  assert len(warning) == 1 and 'alpha channel' in warning[0]
+  assert str(tmp_path / 'a' / 'x.png') in warning[0]
+  assert 'composited onto white' in warning[0]
 
 
 # ----------------------------------------------------------------------------
@@ -144,6 +201,82 @@ def test_train_and_test_folders(tmp_path):
   # The test folder lacks class b: its labels keep the training indices.
   np.testing.assert_array_equal(own.test.labels, [0, 0, 2, 2])
   assert own.report['layout'] == 'train/ and test/'
+
+
+@pytest.mark.parametrize('name', ['val', 'valid', 'validation', 'Val'])
+def test_a_validation_folder_is_the_validation_split(tmp_path, name):
+  _folder(tmp_path / 'train', classes=('a', 'b'), per_class=6)
+  _folder(tmp_path / name, classes=('b', 'a'), per_class=2)
+  own = images.read_folder(tmp_path, _options())
+  np.testing.assert_array_equal(own.validation.labels, [0, 0, 1, 1])
+  assert own.report['layout'] == f'train/ and {name}/'
+  dataset = images.to_dataset(own, test_fraction=0.5,
+                              validation_fraction=0.1, seed=0, name='x')
+  # Validation is the folder; only the test split is held out of train/.
+  assert [len(s.labels) for s in (dataset.train, dataset.validation,
+                                  dataset.test)] == [6, 4, 6]
+  config = own_images_config.get_config('smoke')
+  config.test_fraction = 0.5
+  line = own_images.splits_line(config, dataset, own)
+  assert line == (f'Splits: 6 train, 4 validation (the folder {name}/), 6 '
+                  f'test (held out of the 12 training images: '
+                  f'config.test_fraction=0.5, by config.split_seed).')
+
+
+def test_validation_carved_from_train_is_said_with_its_count(tmp_path):
+  _folder(tmp_path / 'train', classes=('a', 'b'), per_class=10)
+  _folder(tmp_path / 'test', classes=('a', 'b'), per_class=2)
+  own = images.read_folder(tmp_path, _options())
+  assert own.validation is None
+  dataset = images.to_dataset(own, test_fraction=0.2,
+                              validation_fraction=0.2, seed=0, name='x')
+  config = own_images_config.get_config('smoke')
+  config.validation_fraction = 0.2
+  assert own_images.splits_line(config, dataset, own) == (
+      'Splits: 16 train, 4 validation (carved from the 20 training images: '
+      'config.validation_fraction=0.2, by config.split_seed), 4 test (the '
+      'folder test/).')
+
+
+def test_two_validation_folders_are_refused(tmp_path):
+  _folder(tmp_path / 'train')
+  _folder(tmp_path / 'val')
+  _folder(tmp_path / 'validation')
+  with pytest.raises(DataError, match=r'val/ and validation/ are both'):
+    images.read_folder(tmp_path, _options())
+
+
+def test_a_validation_folder_is_cached_with_the_other_splits(tmp_path):
+  _folder(tmp_path / 'data' / 'train', per_class=4)
+  _folder(tmp_path / 'data' / 'valid', per_class=1)
+  say = lambda _: None  # noqa: E731
+  first = images.read_cached(str(tmp_path / 'data'), _options(),
+                             tmp_path / 'cache', say=say)
+  again = images.read_cached(str(tmp_path / 'data'), _options(),
+                             tmp_path / 'cache', say=say)
+  assert again.report['cached']
+  np.testing.assert_array_equal(again.validation.images,
+                                first.validation.images)
+
+
+def test_few_images_of_a_class_are_warned_about_and_counted():
+  labels = np.array([0] * 8 + [1] * 3 + [2], np.int32)
+  split = data_lib.Split(np.zeros((len(labels), 8, 8, 1), np.uint8), labels)
+  test = data_lib.Split(split.images[:3], np.array([0, 0, 1], np.int32))
+  validation = data_lib.Split(split.images[:1], labels[:1])
+  dataset = data_lib.Dataset(split, validation, test, 3, 'x')
+  lines = own_images.class_count_lines(dataset, ('many', 'few', 'lone'))
+  assert lines[:4] == ['Images per class (train / validation / test):',
+                       '  many  8 / 1 / 2', '  few   3 / 0 / 1',
+                       '  lone  1 / 0 / 0']
+  assert lines[4:] == [
+      f'Warning: class few has 4 images (fewer than {own_images.FEW_IMAGES}):'
+      f' 3 train, 0 validation, 1 test; too few to learn it from. Add images '
+      f'or remove the class.',
+      f'Warning: class lone has 1 image (fewer than '
+      f'{own_images.FEW_IMAGES}): 1 train, 0 validation, 0 test; too few to '
+      f'learn it from. It is never tested (no test images). Add images or '
+      f'remove the class.']
 
 
 def test_a_test_class_unknown_to_training_is_named(tmp_path):
@@ -205,7 +338,55 @@ def test_a_truncated_image_is_named_or_skipped_and_counted(tmp_path, suffix):
   own = images.read_folder(tmp_path, _options(skip_bad_images=True))
   assert len(own.train.labels) == 6
   assert own.report['bad_files'] == 1
-  assert own.report['bad_examples'] == [str(bad)]
+  assert own.report['bad_messages'][0].startswith(f'{bad}: cannot decode')
+
+
+def _labelled(root, classes, per_class):
+  """16x16 grey PNGs whose value says their class and number."""
+  for k, name in enumerate(classes):
+    for i in range(per_class):
+      _save(root / name / f'{i}.png', np.full((16, 16), 50 * k + i, np.uint8))
+
+
+def _corrupt(path):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_bytes(b'\x89PNG\r\n\x1a\n not the rest of a PNG')
+  return path
+
+
+def test_every_bad_file_of_every_split_is_named_and_labels_stay(tmp_path):
+  _labelled(tmp_path / 'train', ('a', 'b', 'c'), per_class=5)
+  _labelled(tmp_path / 'val', ('a', 'b', 'c'), per_class=2)
+  _labelled(tmp_path / 'test', ('a', 'b', 'c'), per_class=2)
+  # In the middle of class b (sorted: 0, 1, 2, 2x, 3, 4), and one in each
+  # of the other splits.
+  bad = [_corrupt(tmp_path / 'train' / 'b' / '2x.png'),
+         _corrupt(tmp_path / 'val' / 'c' / '0x.png'),
+         _corrupt(tmp_path / 'test' / 'a' / '1x.png')]
+  with pytest.raises(DataError) as error:
+    images.read_folder(tmp_path, _options())
+  lines = str(error.value).splitlines()
+  assert lines[0].startswith('3 files cannot be decoded; replace or remove '
+                             'them, or set --config.skip_bad_images=True')
+  assert [line.split(': ')[0].strip() for line in lines[1:]] == list(
+      map(str, bad))
+  own = images.read_folder(tmp_path, _options(skip_bad_images=True))
+  # Each image's value (50 * class + number) agrees with its label.
+  for split, per_class in ((own.train, 5), (own.validation, 2),
+                           (own.test, 2)):
+    assert len(split.labels) == 3 * per_class
+    values = split.images[:, 0, 0, 0].astype(int)
+    np.testing.assert_array_equal(values // 50, split.labels)
+    np.testing.assert_array_equal(values % 50, np.tile(np.arange(per_class),
+                                                       3))
+  report = own.report
+  assert report['bad_files'] == 3 and report['num_files'] == 30
+  assert report['num_decoded'] == 27
+  lines = images.report_lines(report)
+  assert lines[0].startswith('Decoded 27 images in ')
+  assert lines[1] == 'Skipped 3 files that could not be decoded:'
+  assert [line.split(': ')[0].strip() for line in lines[2:5]] == list(
+      map(str, bad))
 
 
 def test_a_class_left_without_decodable_images_is_an_error(tmp_path):
@@ -633,12 +814,14 @@ def trained(tmp_path_factory):
   config.model_options.primary_types = 2
   config.model_options.decoder_widths = (16, 16)
   workdir = root / 'work'
-  summary = training.train(config, str(workdir))
-  return data, workdir, summary
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    summary = training.train(config, str(workdir))
+  return data, workdir, summary, printed.getvalue().splitlines()
 
 
 def test_a_run_reports_per_class_accuracy_with_the_class_names(trained):
-  _, workdir, summary = trained
+  _, workdir, summary, _ = trained
   per_class = summary['evals']['per_class']
   assert per_class['class_names'] == ['apple', 'kiwi', 'plum']
   assert list(per_class['per_class_accuracy']) == ['apple', 'kiwi', 'plum']
@@ -646,6 +829,16 @@ def test_a_run_reports_per_class_accuracy_with_the_class_names(trained):
   assert per_class['accuracy'] == pytest.approx(summary['test']['accuracy'])
   assert np.sum(per_class['confusion']) == per_class['num_examples'] == 6
   assert os.path.exists(per_class['figure'])
+  _, _, _, printed = trained
+  start = printed.index('Images per class (train / validation / test):')
+  assert printed[start - 1] == (
+      'Splits: 21 train, 3 validation (carved from the 24 training images: '
+      'config.validation_fraction=0.1, by config.split_seed), 6 test (held '
+      'out of the 30 training images: config.test_fraction=0.2, by '
+      'config.split_seed).')
+  assert printed[start + 1:start + 4] == [
+      '  apple  7 / 1 / 2', '  kiwi   7 / 1 / 2', '  plum   7 / 1 / 2']
+  assert not [line for line in printed if line.startswith('Warning')]
   saved = json.load(open(workdir / 'config.json'))
   assert saved['class_names'] == ['apple', 'kiwi', 'plum']
   assert saved['model_options']['input_shape'] == [20, 20, 3]
@@ -655,7 +848,7 @@ def test_a_run_reports_per_class_accuracy_with_the_class_names(trained):
 
 
 def test_predict_from_python_names_each_files_class(trained, tmp_path):
-  data, workdir, _ = trained
+  data, workdir, _, _ = trained
   context = training.load_context(str(workdir))
   odd = _save(tmp_path / 'odd_size.jpg', _random(50, 33), 'JPEG')
   (tmp_path / 'readme.txt').write_text('ignored')
@@ -688,7 +881,7 @@ def _command(workdir, *flags):
 
 
 def test_predict_from_the_command_line(trained):
-  data, workdir, _ = trained
+  data, workdir, _, _ = trained
   out = _command(workdir, f'--predict={data / "apple"}',
                  f'--predict={data / "kiwi" / "0.png"}')
   assert out.returncode == 0, out.stderr
@@ -699,6 +892,71 @@ def test_predict_from_the_command_line(trained):
     path, name, length = line.split('\t')
     assert os.path.exists(path) and name in ('apple', 'kiwi', 'plum')
     assert 0 <= float(length) <= 1
+
+
+def test_predict_names_each_unreadable_file_and_predicts_the_rest(
+    trained, tmp_path):
+  data, workdir, _, _ = trained
+  bad = _corrupt(tmp_path / 'new' / 'broken.png')
+  missing = tmp_path / 'not_there.png'
+  out = _command(workdir, f'--predict={data / "apple"}', f'--predict={bad}',
+                 f'--predict={missing}')
+  assert out.returncode == 0, out.stderr
+  assert len(out.stdout.strip().splitlines()) == 1 + 10
+  said = [line for line in out.stderr.splitlines() if 'skipped' in line]
+  assert said == [f'{missing}: no such file or folder; skipped.',
+                  said[1]]
+  assert said[1].startswith(f'{bad}: cannot decode this image (')
+  assert said[1].endswith('; skipped.')
+  # The run's skip_bad_images (False) does not stop predict; nothing
+  # readable is an error.
+  out = _command(workdir, f'--predict={bad}', f'--predict={missing}')
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      'error: DataError: none of the 2 image files given could be read')
+  assert out.stdout == ''
+
+
+def test_predict_never_creates_a_workdir(tmp_path):
+  image = _save(tmp_path / 'x.png', _random(8, 8))
+  workdir = tmp_path / 'never_trained'
+  out = _command(workdir, f'--predict={image}')
+  assert out.returncode == 2
+  assert out.stderr.strip() == (
+      f'error: FileNotFoundError: {workdir}: no such folder. Train a model '
+      f'there first (python -m experiments.own_images --workdir={workdir} '
+      f'--config=experiments/configs/own_images.py --config.images=FOLDER), '
+      f'then predict with the same --workdir.')
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize('images_flag', ['missing_folder', 'none'])
+def test_a_failed_start_leaves_no_lock_nor_workdir(tmp_path, images_flag):
+  new, existing = tmp_path / 'new' / 'work', tmp_path / 'existing'
+  existing.mkdir()
+  flags = [f'--config={REPO}/experiments/configs/own_images.py:smoke']
+  if images_flag == 'missing_folder':
+    flags.append(f'--config.images={tmp_path / "nowhere"}')
+  for workdir in (new, existing):
+    out = _command(workdir, *flags)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith('error: DataError: '), out.stderr
+  assert not (tmp_path / 'new').exists()
+  assert os.listdir(existing) == []
+
+
+def test_a_hold_removes_only_the_lock_of_a_workdir_left_empty(tmp_path):
+  from capsjax.training import checkpoints
+  workdir = tmp_path / 'a' / 'work'
+  with checkpoints.hold_workdir(str(workdir)):
+    assert (workdir / 'capsjax.lock').exists()
+  assert not (tmp_path / 'a').exists()
+  with checkpoints.hold_workdir(str(workdir)):
+    (workdir / 'config.json').write_text('{}')
+  assert (workdir / 'capsjax.lock').exists()  # a run that started: kept
+  with checkpoints.hold_workdir(str(tmp_path / 'gone'), shared=True):
+    pass
+  assert not (tmp_path / 'gone').exists()  # a reader never creates it
 
 
 def test_bad_images_on_the_command_line_are_one_line_and_no_run(tmp_path):
@@ -712,7 +970,7 @@ def test_bad_images_on_the_command_line_are_one_line_and_no_run(tmp_path):
                         f'class folder (only); a classifier needs at least 2 '
                         f'(one subfolder per class).')
   assert 'Traceback' not in out.stderr
-  assert not os.path.exists(workdir / 'config.json')
+  assert not os.path.exists(workdir)
 
 
 # ----------------------------------------------------------------------------

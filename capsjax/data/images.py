@@ -4,8 +4,9 @@ once into uint8 ``Split``s of one size and channel count, and cached.
 Sources (``read_images``):
   - a folder with one subfolder per class (PNG, JPEG, BMP, GIF, TIFF, WebP;
     any sizes, grey or colour; subfolders of a class are read too),
-    optionally split into ``train/`` and ``test/`` folders of that shape;
-    the class names are the subfolder names, sorted;
+    optionally split into ``train/`` and ``test/`` folders of that shape,
+    and a validation folder beside them (``val/``, ``valid/`` or
+    ``validation/``); the class names are the subfolder names, sorted;
   - a ``.npz`` file of arrays ``x_train`` [N, H, W(, C)], ``y_train`` [N],
     optionally ``x_test``, ``y_test`` and ``class_names``;
   - ``tfds:NAME``, an image-classification dataset of TensorFlow Datasets,
@@ -15,7 +16,11 @@ Pillow decodes the files and TFDS its own records; Pillow then resizes every
 image to ``image_size`` x ``image_size``: ``'center_crop'`` keeps the central
 square (the aspect ratio) and ``'stretch'`` the whole image. ``channels`` 0
 keeps grey data grey (1 channel) and makes everything RGB (3) as soon as one
-image is in colour; 1 or 3 converts every image.
+image is in colour; 1 or 3 converts every image. An image with an alpha
+channel (or a transparent palette colour) is composited onto white, as a
+viewer shows it: dark shapes on a transparent background stay dark on
+white; the report warns about images whose shape lies in the alpha channel
+alone (their colour is the same wherever they are visible).
 
 ``read_cached`` decodes once into ``cache_dir`` (uncompressed ``.npy`` files
 and ``meta.json``, published by one rename), keyed by the source's files
@@ -23,7 +28,8 @@ and ``meta.json``, published by one rename), keyed by the source's files
 then reads uint8 arrays and never waits for a decoder.
 
 A source that cannot be used raises ``DataError``, one line naming the file
-or folder, before anything is written.
+or folder, before anything is written; files that cannot be decoded are
+all named, one line each, whichever split they are in.
 """
 
 from __future__ import annotations
@@ -57,12 +63,16 @@ RESIZE_MODES = ('center_crop', 'stretch')
 CHANNELS = (0, 1, 3)
 TFDS_PREFIX = 'tfds:'
 # Bumped when decoding changes, so that older caches are not read.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 # Pillow's modes of grey images (16-bit and float ones included).
 _GREY_MODES = frozenset({'1', 'L', 'LA', 'La', 'I', 'I;16', 'I;16B', 'I;16L',
                          'I;16N', 'F'})
-# Skipped files named in the report; the rest are counted.
+# Files named in a line of the report; the rest are counted.
 _NAMED_FILES = 5
+# The folders beside train/ read as the validation split.
+VALIDATION_FOLDERS = ('val', 'valid', 'validation')
+# Pillow's modes with an alpha channel.
+_ALPHA_MODES = frozenset({'RGBA', 'RGBa', 'LA', 'La', 'PA'})
 
 
 def _pil():
@@ -108,12 +118,15 @@ class OwnImages(NamedTuple):
 
   test: None when the source has no test split (one is held out later).
   report: counts and notes for the user (``report_lines``).
+  validation: None when the source has no validation split (one is carved
+    from the training images later).
   """
 
   train: Split
   test: Split | None
   class_names: tuple[str, ...]
   report: dict[str, Any]
+  validation: Split | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -131,9 +144,40 @@ def _scaled_16bit(image):
   return Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8))
 
 
+def _has_alpha(image) -> bool:
+  """Whether a Pillow image has an alpha channel or a transparent colour."""
+  return image.mode in _ALPHA_MODES or (
+      image.mode in ('1', 'L', 'P', 'RGB') and 'transparency' in image.info)
+
+
+def onto_white(image) -> tuple[Any, bool]:
+  """A Pillow image with an alpha channel (or a transparent colour)
+  composited onto white, as 'L' (grey) or 'RGB'; others as they are.
+
+  Returns the image and whether its shape lies in the alpha channel alone:
+  the alpha varies while the colour is the same wherever the image is
+  visible (strokes drawn in one colour on a transparent background). Such a
+  file decoded without its alpha would be one flat colour.
+  """
+  if not _has_alpha(image):
+    return image, False
+  Image = _pil()
+  grey = image.mode in ('1', 'L', 'LA', 'La')
+  array = np.asarray(image.convert('LA' if grey else 'RGBA'), np.uint32)
+  colour, alpha = array[..., :-1], array[..., -1:]
+  # Exact integer rounding of colour * a + white * (1 - a), a = alpha / 255.
+  flat = (colour * alpha + 255 * (255 - alpha) + 127) // 255
+  flat = flat.astype(np.uint8)
+  visible = colour[alpha[..., 0] > 0]
+  shape_in_alpha = bool(alpha.min() != alpha.max() and len(visible) and
+                        (visible.min(axis=0) == visible.max(axis=0)).all())
+  return Image.fromarray(flat[..., 0] if grey else flat), shape_in_alpha
+
+
 def as_grey_or_rgb(image) -> tuple[Any, bool]:
-  """A Pillow image as 'L' (grey modes) or 'RGB' (every other mode; alpha
-  dropped, palettes expanded); and whether it was grey."""
+  """A Pillow image as 'L' (grey modes) or 'RGB' (every other mode;
+  palettes expanded; an alpha channel dropped: ``onto_white`` first keeps
+  what it shows); and whether it was grey."""
   if image.mode in _GREY_MODES:
     if image.mode in ('I', 'F') or image.mode.startswith('I;16'):
       return _scaled_16bit(image), True
@@ -164,13 +208,19 @@ def fit_image(image, image_size: int, resize_mode: str):
                       box=box, reducing_gap=3.0)
 
 
-def decode_image(path: PathLike, image_size: int, resize_mode: str
-                 ) -> tuple[np.ndarray, bool, tuple[int, int]]:
-  """One image file, decoded by Pillow.
+class Decoded(NamedTuple):
+  """One image file decoded (``decode_image``)."""
 
-  Returns:
-    uint8 ``[S, S, 3]`` (grey images replicated), whether the file is grey,
-    and its (width, height).
+  array: np.ndarray  # uint8 [S, S, 3], grey images replicated
+  grey: bool
+  size: tuple[int, int]  # the file's (width, height)
+  shape_in_alpha: bool  # composited onto white (``onto_white``)
+
+
+def decode_image(path: PathLike, image_size: int, resize_mode: str
+                 ) -> Decoded:
+  """One image file, decoded by Pillow (an alpha channel composited onto
+  white).
 
   Raises:
     DataError: Pillow cannot read it (not an image, truncated, corrupt).
@@ -185,6 +235,7 @@ def decode_image(path: PathLike, image_size: int, resize_mode: str
       image.draft(None, (image_size, image_size))
       image.load()  # a truncated file fails here, not later
       image = ImageOps.exif_transpose(image)  # phones store rotation in EXIF
+      image, shape_in_alpha = onto_white(image)
       image, grey = as_grey_or_rgb(image)
       array = np.asarray(fit_image(image, image_size, resize_mode))
   except (OSError, SyntaxError, ValueError, Image.DecompressionBombError,
@@ -193,7 +244,7 @@ def decode_image(path: PathLike, image_size: int, resize_mode: str
                     f'({type(e).__name__}: {e})') from e
   if grey:
     array = np.repeat(array[..., None], 3, axis=-1)
-  return array, grey, size
+  return Decoded(array, grey, size, shape_in_alpha)
 
 
 # ----------------------------------------------------------------------------
@@ -218,17 +269,20 @@ def _decode_or_error(path: Path, image_size: int, resize_mode: str):
 def decode_files(paths: Sequence[Path], options: ImageOptions, *,
                  description: str = 'decoding', threads: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray, list[int], dict[str, Any]]:
-  """Decodes ``paths`` in threads (Pillow releases the GIL), in order.
+  """Decodes ``paths`` in threads (Pillow releases the GIL), in order; a file
+  that cannot be decoded is passed over, never stopped at
+  (``check_bad_files`` then says whether that is allowed).
 
   Returns:
     uint8 ``[M, S, S, 3]``, bool ``[M]`` (grey files), the indices into
-    ``paths`` of the M decoded files (all of them unless
-    ``options.skip_bad_images``), and counts for the report.
+    ``paths`` of the M decoded files, and counts for the report:
+    'bad_files' and 'bad_messages' (every file passed over, with why),
+    'alpha_files' and 'alpha_examples' (``onto_white``), 'median_size'.
   """
   size, mode = options.image_size, options.resize_mode
   images = np.empty((len(paths), size, size, 3), np.uint8)
   grey = np.zeros(len(paths), bool)
-  kept, bad, sides = [], [], []
+  kept, bad, alpha, sides = [], [], [], []
   threads = threads or min(8, os.cpu_count() or 1)
   with concurrent.futures.ThreadPoolExecutor(threads) as pool, _progress(
       len(paths), description) as bar:
@@ -236,23 +290,35 @@ def decode_files(paths: Sequence[Path], options: ImageOptions, *,
     for i, (result, error) in enumerate(results):
       bar.update()
       if error is not None:
-        if not options.skip_bad_images:
-          pool.shutdown(cancel_futures=True)
-          raise DataError(f'{error}. Replace or remove it, or set '
-                          f'--config.skip_bad_images=True to skip (and count) '
-                          f'files that cannot be decoded.')
-        bad.append(os.fspath(paths[i]))
+        bad.append(str(error))
         continue
-      array, is_grey, original = result
-      images[len(kept)] = array
-      grey[len(kept)] = is_grey
+      images[len(kept)] = result.array
+      grey[len(kept)] = result.grey
       kept.append(i)
-      sides.append(original)
-  counts = {'bad_files': len(bad), 'bad_examples': bad[:_NAMED_FILES]}
+      sides.append(result.size)
+      if result.shape_in_alpha:
+        alpha.append(os.fspath(paths[i]))
+  counts = {'bad_files': len(bad), 'bad_messages': bad,
+            'alpha_files': len(alpha), 'alpha_examples': alpha[:_NAMED_FILES]}
   if sides:
     counts['median_size'] = [int(np.median([s[0] for s in sides])),
                              int(np.median([s[1] for s in sides]))]
   return images[:len(kept)], grey[:len(kept)], kept, counts
+
+
+def check_bad_files(messages: Sequence[str], options: ImageOptions) -> None:
+  """DataError naming every file that could not be decoded (one line each
+  after the first when there are several), unless
+  ``options.skip_bad_images``."""
+  if not messages or options.skip_bad_images:
+    return
+  fix = ('set --config.skip_bad_images=True to skip (and count) files that '
+         'cannot be decoded')
+  if len(messages) == 1:
+    raise DataError(f'{messages[0]}. Replace or remove it, or {fix}.')
+  listed = ''.join(f'\n  {m}' for m in messages)
+  raise DataError(f'{len(messages)} files cannot be decoded; replace or '
+                  f'remove them, or {fix}:{listed}')
 
 
 def to_rgb(images: np.ndarray) -> np.ndarray:
@@ -339,14 +405,25 @@ class FolderSplit(NamedTuple):
 
 
 def split_folders(root: Path) -> dict[str, Path]:
-  """{'train': folder[, 'test': folder]}: ``root`` itself, or its ``train/``
-  (and ``test/``) when ``train/`` holds class folders."""
+  """{'train': folder[, 'validation': folder][, 'test': folder]}: ``root``
+  itself, or its ``train/`` (with ``test/`` and one of
+  ``VALIDATION_FOLDERS`` beside it, when there) when ``train/`` holds class
+  folders."""
   named = {p.name.lower(): p for p in _subdirs(root)}
   train = named.get('train')
   if train is None or not _subdirs(train):
     return {'train': root}
-  return {'train': train} | ({'test': named['test']} if 'test' in named
-                             else {})
+  folders = {'train': train}
+  validation = [named[n] for n in VALIDATION_FOLDERS if n in named]
+  if len(validation) > 1:
+    raise DataError(
+        f'{root}: {" and ".join(f"{v.name}/" for v in validation)} are both '
+        f'validation folders; keep one (or merge them).')
+  if validation:
+    folders['validation'] = validation[0]
+  if 'test' in named:
+    folders['test'] = named['test']
+  return folders
 
 
 def _no_classes_error(folder: Path) -> DataError:
@@ -361,12 +438,12 @@ def _no_classes_error(folder: Path) -> DataError:
                    f'({example}).')
 
 
-def scan_split(folder: Path, class_names: Sequence[str] | None = None
-               ) -> tuple[tuple[str, ...], FolderSplit]:
+def scan_split(folder: Path, class_names: Sequence[str] | None = None,
+               split: str = 'test') -> tuple[tuple[str, ...], FolderSplit]:
   """The class folders of ``folder`` and their image files.
 
-  ``class_names``: the training classes, for a test folder (its classes
-  must be among them; it may lack some).
+  ``class_names``: the training classes, for a test or validation folder
+  (``split``; its classes must be among them; it may lack some).
   """
   classes = _subdirs(folder)
   if not classes:
@@ -382,7 +459,7 @@ def scan_split(folder: Path, class_names: Sequence[str] | None = None
     unknown = [c for c in classes if c.name not in class_names]
     if unknown:
       raise DataError(
-          f'{unknown[0]}: a test class that is not among the training '
+          f'{unknown[0]}: a {split} class that is not among the training '
           f'classes ({", ".join(class_names)}); rename or remove it.')
   index = {name: i for i, name in enumerate(class_names)}
   files, labels = [], []
@@ -421,9 +498,20 @@ def _check_classes_left(labels: np.ndarray, class_names: Sequence[str],
                     f'(all skipped as bad files); fix or remove them.')
 
 
+def _layout(folders: dict[str, Path]) -> str:
+  """The report's layout: 'class folders', or e.g. 'train/, val/ and
+  test/'."""
+  if len(folders) == 1:
+    return 'class folders'
+  names = [f'{folders[k].name}/' for k in ('train', 'validation', 'test')
+           if k in folders]
+  return ', '.join(names[:-1]) + f' and {names[-1]}'
+
+
 def read_folder(root: PathLike, options: ImageOptions = DEFAULT_OPTIONS
                 ) -> OwnImages:
-  """A folder of class subfolders (optionally in ``train/`` and ``test/``)."""
+  """A folder of class subfolders (optionally in ``train/``, ``test/`` and a
+  validation folder)."""
   check_options(options)
   root = Path(root).expanduser()
   if not root.is_dir():
@@ -431,18 +519,23 @@ def read_folder(root: PathLike, options: ImageOptions = DEFAULT_OPTIONS
   folders = split_folders(root)
   class_names, train_scan = scan_split(folders['train'])
   scans = {'train': train_scan}
-  if 'test' in folders:
-    scans['test'] = scan_split(folders['test'], class_names)[1]
-  decoded, counts = {}, {'bad_files': 0, 'bad_examples': []}
+  for split in ('validation', 'test'):
+    if split in folders:
+      scans[split] = scan_split(folders[split], class_names, split)[1]
+  decoded, counts = {}, {'bad_files': 0, 'bad_messages': [], 'alpha_files': 0,
+                         'alpha_examples': []}
   start = time.perf_counter()
   for split, scan in scans.items():
     images, grey, labels, split_counts = _decoded_split(
         scan, options, f'decoding {split}')
     decoded[split] = (images, grey, labels)
-    counts['bad_files'] += split_counts['bad_files']
-    counts['bad_examples'] += split_counts['bad_examples']
+    for key in ('bad_files', 'bad_messages', 'alpha_files', 'alpha_examples'):
+      counts[key] += split_counts[key]
     counts.setdefault('median_size', split_counts.get('median_size'))
   seconds = time.perf_counter() - start
+  # Every split decoded first: one run names all the bad files.
+  check_bad_files(counts['bad_messages'], options)
+  counts['alpha_examples'] = counts['alpha_examples'][:_NAMED_FILES]
   _check_classes_left(decoded['train'][2], class_names, folders['train'])
   all_grey = np.concatenate([d[1] for d in decoded.values()])
   channels = channel_count(all_grey, options.channels)
@@ -450,14 +543,17 @@ def read_folder(root: PathLike, options: ImageOptions = DEFAULT_OPTIONS
             for k, (images, grey, labels) in decoded.items()}
   ignored = [f for s in scans.values() for f in s.ignored]
   report = {
-      'source': os.fspath(root), 'kind': 'folder',
-      'layout': 'train/ and test/' if 'test' in folders else 'class folders',
+      'source': os.fspath(root), 'kind': 'folder', 'layout': _layout(folders),
+      'split_sources': {k: f'the folder {folders[k].name}/' for k in folders
+                        if k != 'train'},
       'num_files': sum(len(s.files) for s in scans.values()),
+      'num_decoded': sum(len(d[2]) for d in decoded.values()),
       'ignored_files': len(ignored),
       'ignored_examples': [os.fspath(f) for f in ignored[:_NAMED_FILES]],
       'channels_note': channels_note(all_grey, options.channels),
       'decode_seconds': seconds, **counts}
-  return OwnImages(splits['train'], splits.get('test'), class_names, report)
+  return OwnImages(splits['train'], splits.get('test'), class_names, report,
+                   splits.get('validation'))
 
 
 # ----------------------------------------------------------------------------
@@ -593,6 +689,7 @@ def read_npz(path: PathLike, options: ImageOptions = DEFAULT_OPTIONS
     names = tuple(str(k) for k in range(top + 1))
   out, note = _arrays_to_splits(splits, options)
   report = {'source': os.fspath(path), 'kind': 'npz',
+            'split_sources': {'test': 'x_test'} if 'test' in splits else {},
             'num_files': 1, 'ignored_files': 0, 'bad_files': 0,
             'channels_note': note,
             'median_size': list(splits['train'][0].shape[2:0:-1]),
@@ -700,6 +797,8 @@ def read_tfds(name: str, options: ImageOptions = DEFAULT_OPTIONS, *,
   class_names = tuple(builder.info.features[keys[1]].names)
   out, note = _arrays_to_splits(arrays, options)
   report = {'source': f'{TFDS_PREFIX}{name}', 'kind': 'tfds',
+            'split_sources': ({'test': 'its test split'} if 'test' in out
+                              else {}),
             'num_files': sum(len(y) for _, y in arrays.values()),
             'ignored_files': 0, 'bad_files': 0, 'channels_note': note,
             'decode_seconds': time.perf_counter() - start}
@@ -785,7 +884,8 @@ def _save_entry(directory: Path, own: OwnImages, key: str) -> None:
   temp = directory.with_name(f'.{directory.name}.tmp-{os.getpid()}')
   shutil.rmtree(temp, ignore_errors=True)
   temp.mkdir(parents=True)
-  splits = {'train': own.train} | ({'test': own.test} if own.test else {})
+  splits = {k: v for k, v in (('train', own.train), ('test', own.test),
+                               ('validation', own.validation)) if v}
   for split, data in splits.items():
     np.save(temp / f'{split}_images.npy', data.images)
     np.save(temp / f'{split}_labels.npy', data.labels)
@@ -812,7 +912,8 @@ def _load_entry(directory: Path, key: str) -> OwnImages | None:
   except (OSError, ValueError, KeyError):
     return None
   return OwnImages(splits['train'], splits.get('test'),
-                   tuple(meta['class_names']), meta['report'])
+                   tuple(meta['class_names']), meta['report'],
+                   splits.get('validation'))
 
 
 def read_cached(source: str, options: ImageOptions, cache_dir: PathLike, *,
@@ -874,8 +975,9 @@ def _take(split: Split, indices: np.ndarray) -> Split:
 
 def to_dataset(own: OwnImages, *, test_fraction: float,
                validation_fraction: float, seed: int, name: str) -> Dataset:
-  """Validation carved from the training images by ``seed`` (stratified),
-  and a test split held out the same way when the source has none."""
+  """Validation carved from the training images by ``seed`` (stratified)
+  when the source has none, and a test split held out the same way when
+  the source has none."""
   for key, value in (('test_fraction', test_fraction),
                      ('validation_fraction', validation_fraction)):
     if isinstance(value, bool) or not (isinstance(value, int | float) and
@@ -885,6 +987,8 @@ def to_dataset(own: OwnImages, *, test_fraction: float,
   if test is None:
     kept, held = stratified_split(train.labels, test_fraction, seed)
     train, test = _take(train, kept), _take(train, held)
+  if own.validation is not None:
+    return Dataset(train, own.validation, test, len(own.class_names), name)
   # Another stream of the same seed: the validation images do not depend on
   # whether the test split was held out.
   kept, held = stratified_split(train.labels, validation_fraction, seed + 1)
@@ -899,15 +1003,25 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f'Read the decoded images from the cache {report["cache"]}.')
   elif report.get('decode_seconds') is not None and report.get('num_files'):
     seconds = report['decode_seconds']
-    lines.append(f'Decoded {report["num_files"]} images in {seconds:.1f} s '
-                 f'({report["num_files"] / max(seconds, 1e-9):.0f} img/s).')
+    # A folder's skipped files are not among the images decoded.
+    count = report.get('num_decoded', report['num_files'])
+    lines.append(f'Decoded {count} images in {seconds:.1f} s '
+                 f'({count / max(seconds, 1e-9):.0f} img/s).')
   if report.get('ignored_files'):
     lines.append(f'Ignored {report["ignored_files"]} files that are not '
                  f'images or lie outside the class folders (e.g. '
                  f'{report["ignored_examples"][0]}).')
   if report.get('bad_files'):
     lines.append(f'Skipped {report["bad_files"]} files that could not be '
-                 f'decoded (e.g. {report["bad_examples"][0]}).')
+                 f'decoded:')
+    lines += [f'  {message}' for message in report['bad_messages']]
+  if report.get('alpha_files'):
+    lines.append(
+        f'Warning: {report["alpha_files"]} images hold their shape in the '
+        f'alpha channel alone (one colour wherever they are visible, e.g. '
+        f'{report["alpha_examples"][0]}); they are composited onto white, '
+        f'as every transparent image is. Check that this is what the model '
+        f'should see.')
   if report.get('channels_note'):
     lines.append(f'Channels: {report["channels_note"]}.')
   return lines
@@ -927,10 +1041,19 @@ def size_advice(report: dict[str, Any], image_size: int) -> str:
           f'more detail; the memory line below says what a run takes.')
 
 
-def list_image_files(paths: Sequence[PathLike]) -> tuple[list[Path], int]:
+class FoundFiles(NamedTuple):
+  """What ``find_image_files`` found."""
+
+  files: list[Path]  # the image files, in order
+  ignored: int  # other files in the folders searched
+  missing: list[Path]  # paths that are neither a file nor a folder
+
+
+def find_image_files(paths: Sequence[PathLike]) -> FoundFiles:
   """The image files among ``paths`` (files, or folders searched
-  recursively), in order; and how many other files were ignored."""
-  files, ignored = [], 0
+  recursively), in order; a file named outright is taken whatever its
+  name."""
+  files, ignored, missing = [], 0, []
   for path in map(lambda p: Path(p).expanduser(), paths):
     if path.is_dir():
       found = files_under(path)
@@ -939,11 +1062,25 @@ def list_image_files(paths: Sequence[PathLike]) -> tuple[list[Path], int]:
     elif path.is_file():
       files.append(path)
     else:
-      raise DataError(f'{path}: no such file or folder.')
-  if not files:
-    raise DataError(f'{", ".join(map(os.fspath, paths))}: no images (PNG, '
-                    f'JPEG, BMP, GIF, TIFF, WebP) found.')
-  return files, ignored
+      missing.append(path)
+  return FoundFiles(files, ignored, missing)
+
+
+def no_images_error(paths: Sequence[PathLike]) -> DataError:
+  """The error for ``paths`` that hold no image files."""
+  return DataError(f'{", ".join(map(os.fspath, paths))}: no images (PNG, '
+                   f'JPEG, BMP, GIF, TIFF, WebP) found.')
+
+
+def list_image_files(paths: Sequence[PathLike]) -> tuple[list[Path], int]:
+  """The image files among ``paths`` (files, or folders searched
+  recursively), in order; and how many other files were ignored."""
+  found = find_image_files(paths)
+  if found.missing:
+    raise DataError(f'{found.missing[0]}: no such file or folder.')
+  if not found.files:
+    raise no_images_error(paths)
+  return found.files, found.ignored
 
 
 def read_image_files(files: Sequence[Path], options: ImageOptions
@@ -951,8 +1088,8 @@ def read_image_files(files: Sequence[Path], options: ImageOptions
   """Image files decoded as a model trained on ``options`` reads them.
 
   ``options.channels`` must be 1 or 3 (the model's). Returns uint8
-  ``[M, S, S, C]``, the M files decoded (all unless
-  ``options.skip_bad_images``) and the counts.
+  ``[M, S, S, C]``, the M files decoded and the counts (``decode_files``:
+  the files that could not be decoded are passed over, and named there).
   """
   if options.channels not in (1, 3):
     raise ValueError(f'channels must be 1 or 3 here, got {options.channels}.')

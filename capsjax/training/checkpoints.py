@@ -68,10 +68,14 @@ def lock_path(workdir: str, process_index: int = 0) -> str:
 
 
 class _Hold:
-  """An open lock file of this process: how many holds, and their kind."""
+  """An open lock file of this process: how many holds, their kind, and
+  what its first hold created (the lock file, the workdir's missing
+  folders, innermost first)."""
 
-  def __init__(self, fd: int | None, shared: bool):
+  def __init__(self, fd: int | None, shared: bool, created_file: bool = False,
+               made_dirs: tuple[str, ...] = ()):
     self.fd, self.shared, self.count = fd, shared, 0
+    self.created_file, self.made_dirs = created_file, made_dirs
 
 
 # The locks this process holds, by path: a hold inside another (the launcher
@@ -125,35 +129,111 @@ def _busy_message(workdir: str, fd: int, shared: bool) -> str:
           f'checkpoints; use another --workdir for a second run.')
 
 
-def _acquire(path: str, purpose: str, shared: bool) -> int | None:
-  """The open, locked file; None on a filesystem without locks (said)."""
+def _missing_dirs(folder: str) -> tuple[str, ...]:
+  """The folders of ``folder``'s path that do not exist, innermost first."""
+  missing = []
+  while folder != os.path.dirname(folder) and not os.path.isdir(folder):
+    missing.append(folder)
+    folder = os.path.dirname(folder)
+  return tuple(missing)
+
+
+def _open_lock_file(path: str) -> tuple[int, bool]:
+  """The lock file opened for writing, and whether this call created it."""
+  try:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+  except FileExistsError:
+    return os.open(path, os.O_RDWR), False
+
+
+def _still_named(path: str, fd: int) -> bool:
+  """Whether ``path`` still names the open file ``fd`` (not removed, or
+  replaced, since it was opened)."""
+  try:
+    named, opened = os.stat(path), os.fstat(fd)
+  except OSError:
+    return False
+  return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+# Tries to lock a lock file that its holder removed meanwhile (``_release``).
+_ACQUIRE_TRIES = 20
+
+
+def _acquire(path: str, purpose: str, shared: bool) -> _Hold:
+  """The open, locked file; its fd None on a filesystem without locks
+  (said), or for a reader of a workdir that does not exist (never created
+  by a reader) or that it cannot write."""
   workdir = os.path.dirname(path)
+  for _ in range(_ACQUIRE_TRIES):
+    made = () if shared else _missing_dirs(workdir)
+    try:
+      if not shared:
+        os.makedirs(workdir, exist_ok=True)
+      fd, created = _open_lock_file(path)
+    except FileNotFoundError:
+      if shared:  # nothing there to read, nor to exclude
+        return _Hold(None, shared)
+      continue  # removed by a run that never started: made again
+    except OSError as e:
+      if shared:  # a reader of a workdir it cannot write: nothing to exclude
+        return _Hold(None, shared)
+      raise OSError(f'cannot write to the workdir {workdir} '
+                    f'({e.strerror or e}); choose a --workdir you can write '
+                    f'to.') from e
+    try:
+      fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) |
+                  fcntl.LOCK_NB)
+    except BlockingIOError:
+      message = _busy_message(workdir, fd, shared)
+      os.close(fd)
+      raise WorkdirBusy(message) from None
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+        raise
+      print(f'Warning: {workdir} cannot be locked ({e.strerror}); make sure '
+            f'no other process uses it.', file=sys.stderr)
+      return _Hold(None, shared)
+    if not _still_named(path, fd):
+      # Its holder removed it before unlocking it: a lock on that file
+      # would exclude nobody.
+      os.close(fd)
+      continue
+    if not shared:
+      _write_holder(fd, purpose)
+    return _Hold(fd, shared, created, made if created else ())
+  raise OSError(f'cannot lock {path}: it was removed {_ACQUIRE_TRIES} times '
+                f'while being opened; rerun.')
+
+
+def _only_lock_files(workdir: str) -> bool:
+  """Whether ``workdir`` holds nothing but lock files (nothing written)."""
   try:
-    os.makedirs(workdir, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  except OSError as e:
-    if shared:  # a reader of a workdir it cannot write: nothing to exclude
-      return None
-    raise OSError(f'cannot write to the workdir {workdir} '
-                  f'({e.strerror or e}); choose a --workdir you can write '
-                  f'to.') from e
-  try:
-    fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) |
-                fcntl.LOCK_NB)
-  except BlockingIOError:
-    message = _busy_message(workdir, fd, shared)
-    os.close(fd)
-    raise WorkdirBusy(message) from None
-  except OSError as e:
-    os.close(fd)
-    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-      raise
-    print(f'Warning: {workdir} cannot be locked ({e.strerror}); make sure no '
-          f'other process uses it.', file=sys.stderr)
-    return None
-  if not shared:
-    _write_holder(fd, purpose)
-  return fd
+    names = os.listdir(workdir)
+  except OSError:
+    return False
+  return all(re.fullmatch(r'capsjax(\.process_\d+)?\.lock', name)
+             for name in names)
+
+
+def _release(path: str, hold: _Hold) -> None:
+  """Closes the lock file (which unlocks it). A lock file this hold created
+  in a workdir where nothing else was written (a run that failed before it
+  started) is removed first, while still locked, then the folders the hold
+  made, when empty: a failed start leaves nothing behind."""
+  if hold.fd is None:
+    return
+  remove = hold.created_file and _only_lock_files(os.path.dirname(path))
+  if remove:
+    with contextlib.suppress(OSError):
+      os.unlink(path)
+  os.close(hold.fd)
+  for folder in hold.made_dirs if remove else ():
+    try:
+      os.rmdir(folder)  # only when empty
+    except OSError:
+      break
 
 
 def _write_holder(fd: int, purpose: str) -> None:
@@ -181,9 +261,12 @@ def hold_workdir(workdir: str, purpose: str = 'training', *,
   message another process gets. Shared for one that only reads checkpoints:
   readers exclude writers, not each other. The kernel frees the lock when
   the process exits, however it dies, so a stale lock never needs removing;
-  the file stays (its lock, not its existence, is what counts). Nested
-  holds of one process are one hold; a shared one inside an exclusive one
-  changes nothing.
+  the file stays (its lock, not its existence, is what counts), except
+  where the hold created it and nothing else was written in the workdir (a
+  run that stopped before it started): then the file goes, and the
+  workdir too when the hold created it. A reader never creates a workdir.
+  Nested holds of one process are one hold; a shared one inside an
+  exclusive one changes nothing.
 
   Raises:
     WorkdirBusy: another process holds it, named in the one-line message.
@@ -193,7 +276,7 @@ def hold_workdir(workdir: str, purpose: str = 'training', *,
   with _HELD_GUARD:
     hold = _HELD.get(path)
     if hold is None:
-      hold = _HELD[path] = _Hold(_acquire(path, purpose, shared), shared)
+      hold = _HELD[path] = _acquire(path, purpose, shared)
     elif hold.shared and not shared and hold.fd is not None:
       try:  # a writer inside a reader of the same process
         fcntl.flock(hold.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,8 +293,7 @@ def hold_workdir(workdir: str, purpose: str = 'training', *,
       hold.count -= 1
       if hold.count == 0:
         del _HELD[path]
-        if hold.fd is not None:
-          os.close(hold.fd)  # releases the lock
+        _release(path, hold)
 
 
 # ----------------------------------------------------------------------------

@@ -7,8 +7,10 @@
       print(p.path, p.class_name, p.score)
 
 A run reads ``config.images`` through the cache (``data.read_cached``),
-carves validation (and, without a test split, test) by
-``config.split_seed``, takes the input shape, the number of classes and
+carves validation (without a validation folder) and test (without a test
+split) by ``config.split_seed``, says where each split comes from and how
+many images of each class it holds (warning about classes of fewer than
+``FEW_IMAGES`` images), takes the input shape, the number of classes and
 their names from the data, says the model's size and the memory of a
 training batch, stops with one line when that will not fit, and trains
 with its family's steps (``dynamic`` or ``em``) in ``loop.fit``.
@@ -48,6 +50,10 @@ DATASET = 'own_images'
 CACHE_SUBDIR = 'image_cache'
 # Image sides tried, largest first, for the line that says what fits.
 _SMALLER_SIZES = (128, 96, 64, 48, 32, 24)
+# A class with fewer images than this (all splits together) is warned
+# about: too few to learn it from, and its split shares round to nothing
+# (20% of 4 images is 1 test image; of 2, none: it is never tested).
+FEW_IMAGES = 5
 
 
 class ModelTooLarge(ValueError):
@@ -87,6 +93,55 @@ def load_own_images(config: ml_collections.ConfigDict, workdir: str,
       validation_fraction=config.validation_fraction,
       seed=config.split_seed, name=dataset_name(config.images))
   return dataset, own
+
+
+def _fraction_note(key: str, value: float) -> str:
+  return f'config.{key}={value:g}, by config.split_seed'
+
+
+def splits_line(config: ml_collections.ConfigDict,
+                dataset: data_lib.Dataset, own: images_lib.OwnImages) -> str:
+  """Where each split comes from: a folder (or array) of the source, or
+  carved from the training images, with how many."""
+  sources = own.report.get('split_sources') or {}
+  train, validation, test = (len(s.labels) for s in (
+      dataset.train, dataset.validation, dataset.test))
+  if own.validation is not None:
+    validation_from = sources.get('validation', 'given')
+  else:
+    validation_from = (f'carved from the {train + validation} training '
+                       f'images: ' + _fraction_note(
+                           'validation_fraction', config.validation_fraction))
+  if own.test is not None:
+    test_from = sources.get('test', 'given')
+  else:
+    test_from = (f'held out of the {len(own.train.labels)} training images: '
+                 + _fraction_note('test_fraction', config.test_fraction))
+  return (f'Splits: {train} train, {validation} validation '
+          f'({validation_from}), {test} test ({test_from}).')
+
+
+def class_count_lines(dataset: data_lib.Dataset,
+                      class_names: Sequence[str]) -> list[str]:
+  """The images of each class in each split, and a warning for each class
+  of fewer than ``FEW_IMAGES`` images."""
+  splits = (dataset.train, dataset.validation, dataset.test)
+  counts = np.stack([np.bincount(s.labels, minlength=len(class_names))
+                     for s in splits], axis=1)
+  width = max(len(name) for name in class_names)
+  lines = ['Images per class (train / validation / test):']
+  lines += [f'  {name:<{width}}  {a} / {b} / {c}'
+            for name, (a, b, c) in zip(class_names, counts, strict=True)]
+  for name, (a, b, c) in zip(class_names, counts, strict=True):
+    if a + b + c >= FEW_IMAGES:
+      continue
+    untested = ' It is never tested (no test images).' if not c else ''
+    total = int(a + b + c)
+    lines.append(
+        f'Warning: class {name} has {total} image{"s" * (total != 1)} (fewer '
+        f'than {FEW_IMAGES}): {a} train, {b} validation, {c} test; too few '
+        f'to learn it from.{untested} Add images or remove the class.')
+  return lines
 
 
 def load_data(config: ml_collections.ConfigDict, workdir: str
@@ -367,6 +422,9 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, trainer,
   dataset, own = load_own_images(config, workdir, say)
   for line in images_lib.report_lines(own.report):
     say(line)
+  say(splits_line(config, dataset, own))
+  for line in class_count_lines(dataset, own.class_names):
+    say(line)
   if advice := images_lib.size_advice(own.report, config.image_size):
     say(advice)
   config = with_data_shapes(config, dataset, own.class_names, say)
@@ -431,17 +489,33 @@ def predict(context: evaluators.Context, paths: Sequence[str | os.PathLike],
   training images (``config.image_size``, ``resize_mode``, the model's
   channels).
 
-  ``say``: told how many files were ignored or skipped.
+  A path that is missing or a file that cannot be decoded is passed over
+  (whatever the run's ``skip_bad_images``): ``say`` is told each one, one
+  line each, and how many files were ignored.
+
+  Raises:
+    DataError: no image among ``paths`` could be read (nothing to predict).
   """
   config = context.config
-  options = image_options(config)._replace(channels=input_channels(config))
-  files, ignored = images_lib.list_image_files(list(paths))
-  images, decoded, counts = images_lib.read_image_files(files, options)
-  if say and ignored:
-    say(f'Ignored {ignored} files that are not images.')
-  if say and counts['bad_files']:
-    say(f'Skipped {counts["bad_files"]} files that could not be decoded '
-        f'(e.g. {counts["bad_examples"][0]}).')
+  options = image_options(config)._replace(channels=input_channels(config),
+                                           skip_bad_images=True)
+  found = images_lib.find_image_files(list(paths))
+  if not found.files and not found.missing:
+    raise images_lib.no_images_error(list(paths))
+  images, decoded, counts = images_lib.read_image_files(found.files, options)
+  unreadable = ([f'{path}: no such file or folder' for path in found.missing]
+                + counts['bad_messages'])
+  if say:
+    for message in unreadable:
+      say(f'{message}; skipped.')
+    if found.ignored:
+      say(f'Ignored {found.ignored} files that are not images.')
+  if not decoded:
+    what = (f'none of the {len(unreadable)} image files given could be read'
+            if len(unreadable) > 1 else 'the image file given could not be '
+            'read')
+    raise data_lib.DataError(f'{what} ({unreadable[0]}); nothing was '
+                             f'predicted.')
   scores = confusion.predict_scores(context, images)
   names = confusion.class_names(config, scores.shape[-1])
   winners = np.argmax(scores, axis=-1)

@@ -7,7 +7,8 @@ TFDS dataset, its shapes taken from the data.
   python -m experiments.own_images --workdir=/tmp/mine --predict=new_photos/
 
 --config.images is a folder with one subfolder per class (optionally
-train/ and test/ folders of that shape), a .npz file (x_train, y_train,
+train/ and test/ folders of that shape, and val/, valid/ or validation/
+beside them as the validation split), a .npz file (x_train, y_train,
 x_test, y_test, class_names) or tfds:NAME (read from --config.data_dir).
 The images are decoded once into WORKDIR/image_cache at image_size x
 image_size; the model's input shape, its number of classes and their names
@@ -113,11 +114,14 @@ def get_config(variant: str = ''):
   config.shorter_run = common.smoke_run(
       'own_images.py:smoke', 'trains a small model in a few minutes')
   config.dataset = 'own_images'
-  # Validation is a fraction of the training images (validation_fraction).
+  # Validation is a folder of the source (val/, valid/ or validation/
+  # beside train/) or a fraction of the training images
+  # (validation_fraction).
   del config['validation_size']
   # The images: a folder with one subfolder per class (optionally train/ and
-  # test/ folders of that shape), a .npz file (x_train, y_train, x_test,
-  # y_test, class_names) or tfds:NAME.
+  # test/ folders of that shape, and a val/, valid/ or validation/ folder),
+  # a .npz file (x_train, y_train, x_test, y_test, class_names) or
+  # tfds:NAME. Transparent images are composited onto white.
   config.images = ''
   # For tfds:NAME, TFDS's data_dir ('' its default, ~/tensorflow_datasets).
   config.data_dir = ''
@@ -133,11 +137,13 @@ def get_config(variant: str = ''):
   # Held out as the test split when the source has none (per class, by
   # split_seed).
   config.test_fraction = 0.2
-  # Of the training images, carved as the validation split (per class).
+  # Of the training images, carved as the validation split (per class)
+  # when the folder has no validation folder.
   config.validation_fraction = 0.1
   # The seed of the test and validation splits (the training seed is seed).
   config.split_seed = 0
-  # Skip (and count) image files that cannot be decoded instead of stopping.
+  # Skip (and count) image files that cannot be decoded instead of stopping
+  # (after all of them are named, one line each).
   config.skip_bad_images = False
   # Where decoded images are cached ('' : WORKDIR/image_cache).
   config.cache_dir = ''
