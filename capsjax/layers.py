@@ -413,15 +413,19 @@ class MatrixPrimaryCapsules(nnx.Module):
 
   ``form='paper'``: a pose kernel and an activation kernel with biases
   (LeCun normal, zero biases), activations sigmoid(x W_a + b_a).
-  ``form='released'`` (google-research capsule_em, ``primary_caps``): no
-  biases, activations sigmoid(logit - 1); one kernel [in_features,
-  num_types * (P*P + 1)] read type by type, P*P pose entries then the
-  activation logit. That code concatenates a pose kernel (TF truncated
-  normal, std 0.5) and an activation kernel (std 3.0) and then reads the
-  concatenation in groups of P*P + 1, so the std-3.0 columns are the last
-  num_types columns, not the activation logits (for 32 types they are the
-  poses and logits of the last two types); this form draws its kernel the
-  same way.
+  The released forms follow google-research capsule_em's ``primary_caps``:
+  no biases, activations sigmoid(logit - 1), one kernel [in_features,
+  num_types * P*P + num_types], the concatenation of a pose kernel (TF
+  truncated normal, std 0.5) and an activation kernel (std 3.0), drawn the
+  same way here. They differ in how the output channels are read:
+  ``form='released'`` (that code from 2020 on) splits them first, the
+  first num_types * P*P channels the poses (type by type) and the last
+  num_types the activation logits, so the std-3.0 columns are the logits;
+  ``form='released_2019'`` (the code first released, which the published
+  checkpoint came with) reads them type by type in groups of P*P + 1, P*P
+  pose entries then the logit, so the std-3.0 columns are the last
+  num_types columns, not the logits (for 32 types the poses and logits of
+  the last two types).
   """
 
   def __init__(self, in_features: int, num_types: int, pose_size: int = 4, *,
@@ -429,11 +433,12 @@ class MatrixPrimaryCapsules(nnx.Module):
     for name, value in (('in_features', in_features),
                         ('num_types', num_types), ('pose_size', pose_size)):
       _check_positive_int(name, value)
-    if form not in ('paper', 'released'):
-      raise ValueError(f"form must be 'paper' or 'released', got {form!r}.")
+    if form not in ('paper', 'released', 'released_2019'):
+      raise ValueError(f"form must be 'paper', 'released' or "
+                       f"'released_2019', got {form!r}.")
     self.num_types, self.pose_size, self.form = num_types, pose_size, form
     poses = num_types * pose_size * pose_size
-    if form == 'released':
+    if form != 'paper':
       pose_key, activation_key = rngs.params(), rngs.params()
       self.kernel = nnx.Param(jnp.concatenate([
           truncated_normal_init(0.5)(pose_key, (in_features, poses)),
@@ -450,11 +455,16 @@ class MatrixPrimaryCapsules(nnx.Module):
   def __call__(self, x: ArrayLike) -> tuple[jax.Array, jax.Array]:
     x = jnp.asarray(x)
     p = self.pose_size
-    if self.form == 'released':
+    if self.form != 'paper':
       y = jnp.einsum('...c,cf->...f', x, self.kernel[...])
-      y = y.reshape(x.shape[:-1] + (self.num_types, p * p + 1))
-      poses = y[..., :p * p].reshape(x.shape[:-1] + (self.num_types, p, p))
-      return poses, jax.nn.sigmoid(y[..., p * p] - 1.0)
+      lead, types = x.shape[:-1], self.num_types
+      if self.form == 'released':
+        poses, logits = y[..., :types * p * p], y[..., types * p * p:]
+      else:
+        y = y.reshape(lead + (types, p * p + 1))
+        poses, logits = y[..., :p * p], y[..., p * p]
+      poses = poses.reshape(lead + (types, p, p))
+      return poses, jax.nn.sigmoid(logits - 1.0)
     poses = _dense(x, self.pose_kernel[...], self.pose_bias[...])
     poses = poses.reshape(x.shape[:-1] + (self.num_types, p, p))
     logits = _dense(x, self.activation_kernel[...], self.activation_bias[...])

@@ -361,8 +361,11 @@ class MatrixCapsNet(nnx.Module):
   0; 'released', those centres with the column on entry 0 and the row on
   entry 1, as the released code's ``conv_pos`` leaves them.
 
-  ``primary_form``: 'paper' (pose and activation kernels with biases) or
-  'released' (sigmoid(logit - 1), no biases; ``MatrixPrimaryCapsules``).
+  ``primary_form``: 'paper' (pose and activation kernels with biases),
+  'released' (sigmoid(logit - 1), no biases, the pose channels and then
+  the activation logits, as capsule_em reads them from 2020 on) or
+  'released_2019' (the same kernel read as P*P + 1 channels per type, as
+  the code first released did; ``MatrixPrimaryCapsules``).
 
   ``released_routing``: every EM layer routes as the released slow path
   (``routing.RELEASED_EM``: the padded mass, and in conv capsules its E-step

@@ -382,24 +382,144 @@ def test_released_coordinates_put_the_column_on_entry_zero():
                              np.tile(rows[:, None], (1, 4)))
 
 
-def test_released_primary_capsules():
-  """primary_caps: one 1x1 kernel read as [types, 16 + 1], sigmoid(logit -
-  1), no biases; the kernel drawn as the released concatenation."""
-  layer = layers.MatrixPrimaryCapsules(6, 4, form='released',
-                                       rngs=nnx.Rngs(0))
+def _primary_caps_reference(x, kernel, types, form):
+  """primary_caps in its own NCHW layout: a 1x1 convolution by the
+  concatenated [pose | activation] kernel, then either (capsule_em from
+  2020 on) a split of the channels into the 16T pose channels and the T
+  logits, each then reshaped type-major, or (the first release) a reshape
+  to [types, 17] and a split of each type's 17 channels into 16 and 1.
+  Returns (poses [B, H, W, T, 4, 4], activations [B, H, W, T])."""
+  conv = np.transpose(x, (0, 3, 1, 2))  # NHWC -> NCHW
+  batch, _, height, width = conv.shape
+  caps = np.einsum('bchw,cf->bfhw', conv, kernel)
+  if form == 'released':
+    center, logit = caps[:, :16 * types], caps[:, 16 * types:]
+    center = center.reshape(batch, types, 16, height, width)
+    logit = logit.reshape(batch, types, 1, height, width)
+  else:
+    caps = caps.reshape(batch, types, 17, height, width)
+    center, logit = caps[:, :, :16], caps[:, :, 16:]
+  activation = 1 / (1 + np.exp(-(logit - 1.0)))
+  poses = np.transpose(center, (0, 3, 4, 1, 2)).reshape(
+      batch, height, width, types, 4, 4)
+  return poses, np.transpose(activation[:, :, 0], (0, 2, 3, 1))
+
+
+@pytest.mark.parametrize('form', ['released', 'released_2019'])
+def test_released_primary_capsules(form):
+  """primary_caps: one 1x1 kernel, sigmoid(logit - 1), no biases, its
+  channels read as the code from 2020 on ('released') or as first released
+  ('released_2019'); the kernel drawn as the released concatenation."""
+  types = 4
+  layer = layers.MatrixPrimaryCapsules(6, types, form=form, rngs=nnx.Rngs(0))
   kernel = np.asarray(layer.kernel[...], np.float64)
-  assert kernel.shape == (6, 4 * 17)
+  assert kernel.shape == (6, types * 17)
   assert not hasattr(layer, 'pose_bias') and not hasattr(layer, 'activation_bias')
-  x = np.random.default_rng(2).uniform(size=(2, 3, 3, 6))
-  y = (x @ kernel).reshape(2, 3, 3, 4, 17)
-  poses, acts = layer(x.astype(np.float32))
-  np.testing.assert_allclose(poses, y[..., :16].reshape(2, 3, 3, 4, 4, 4),
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(acts, 1 / (1 + np.exp(-(y[..., 16] - 1))),
-                             rtol=1e-5, atol=1e-6)
   # The first 4*16 columns std 0.5, the last 4 std 3.0 (truncated at 2 std).
   assert np.abs(kernel[:, :64]).max() <= 1.0 < np.abs(kernel[:, 64:]).max()
   assert np.abs(kernel[:, 64:]).max() <= 6.0
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((2, 3, 5, 6))
+  kernel = rng.standard_normal((6, types * 17))
+  want_poses, want_acts = _primary_caps_reference(x, kernel, types, form)
+  with jax.enable_x64(True):
+    layer.kernel.set_value(jnp.asarray(kernel))
+    poses, acts = layer(jnp.asarray(x))
+    assert poses.dtype == acts.dtype == jnp.float64
+  np.testing.assert_allclose(np.asarray(poses), want_poses, rtol=1e-12,
+                             atol=1e-12)
+  np.testing.assert_allclose(np.asarray(acts), want_acts, rtol=1e-12,
+                             atol=1e-12)
+  # The other layout reads other channels: the test tells them apart.
+  other = 'released_2019' if form == 'released' else 'released'
+  other_poses, other_acts = _primary_caps_reference(x, kernel, types, other)
+  assert np.abs(other_poses - want_poses).max() > 0.1
+  assert np.abs(other_acts - want_acts).max() > 0.1
+
+
+def test_primary_forms_read_the_kernel_columns():
+  """Which kernel column feeds which output: 'released' takes type t's
+  logit from column 16T + t (the std-3.0 activation kernel),
+  'released_2019' from column 17t + 16."""
+  types = 3
+  x = np.eye(1)[None, None]  # one pixel, one input channel equal to 1
+  for form, logit_columns, pose_columns in (
+      ('released', [48, 49, 50], [16 * t + np.arange(16) for t in range(3)]),
+      ('released_2019', [16, 33, 50],
+       [17 * t + np.arange(16) for t in range(3)])):
+    layer = layers.MatrixPrimaryCapsules(1, types, form=form,
+                                         rngs=nnx.Rngs(0))
+    with jax.enable_x64(True):
+      # Column j holds j / 100 (small enough that the sigmoid inverts).
+      layer.kernel.set_value(
+          jnp.arange(types * 17, dtype=jnp.float64)[None] / 100)
+      poses, acts = layer(jnp.asarray(x))
+    logits = np.log(np.asarray(acts) / (1 - np.asarray(acts))) + 1
+    np.testing.assert_allclose(logits[0, 0, 0] * 100, logit_columns,
+                               atol=1e-9)
+    for t in range(types):
+      np.testing.assert_allclose(
+          np.asarray(poses)[0, 0, 0, t].reshape(-1) * 100, pose_columns[t],
+          atol=1e-9)
+  with pytest.raises(ValueError, match='released_2019'):
+    layers.MatrixPrimaryCapsules(1, types, form='released_2020',
+                                 rngs=nnx.Rngs(0))
+
+
+def _mean_pool_reference(grid, kernel_size, stride):
+  """add_convs' averaging: a VALID kernel_size x kernel_size mean."""
+  height = (grid.shape[0] - kernel_size) // stride + 1
+  width = (grid.shape[1] - kernel_size) // stride + 1
+  out = np.zeros((height, width) + grid.shape[2:])
+  for i in range(height):
+    for j in range(width):
+      out[i, j] = grid[i * stride:i * stride + kernel_size,
+                       j * stride:j * stride + kernel_size].mean((0, 1))
+  return out
+
+
+def test_released_coordinate_form_adds_the_authors_pixel_centres(
+    monkeypatch):
+  """A model with coordinate_form='released' adds to its class votes the
+  released code's receptive-field centres (conv_pos's channels averaged
+  over every layer's window), column on entry 0 and row on entry 1, not
+  the grid's (h + 0.5) / H. Zero class transforms leave only the added
+  coordinates in the votes, caught on their way into the routing."""
+  model = models.create_model(
+      'matrix_capsnet', rngs=nnx.Rngs(0), input_shape=(32, 40, 1), A=4, B=2,
+      C=2, D=2, num_classes=3, primary_form='released',
+      coordinate_form='released')
+  model.class_caps.weights.set_value(
+      jnp.zeros_like(model.class_caps.weights[...]))
+  seen = []
+  em_routing = routing.em_routing
+
+  def spy(votes, *args, **kwargs):
+    seen.append(np.asarray(votes))
+    return em_routing(votes, *args, **kwargs)
+
+  monkeypatch.setattr(routing, 'em_routing', spy)
+  model(np.random.default_rng(0).uniform(size=(2, 32, 40, 1)).astype(
+      np.float32))
+  votes = seen[-1].reshape(2, 4, 6, 2, 3, 16)  # rows, cols, types, classes
+  want = _conv_pos_reference(32, 40)
+  for kernel_size, stride in ((5, 2), (3, 2), (3, 1)):
+    want = _mean_pool_reference(want, kernel_size, stride)
+  assert want.shape == (4, 6, 2)
+  expected = np.broadcast_to(want[None, :, :, None, None, :],
+                             (2, 4, 6, 2, 3, 2))
+  np.testing.assert_allclose(votes[..., :2], expected, rtol=1e-6, atol=1e-7)
+  assert not votes[..., 2:].any()
+  # Position (h, w) sees input pixels centred on (4h + 8, 4w + 8): entry 0
+  # (4w + 8 - 40/2) / 100 along the columns, entry 1 (4h + 8 - 32/2) / 100.
+  np.testing.assert_allclose(want[..., 0], np.tile(
+      (4 * np.arange(6) - 12) / 100, (4, 1)), atol=1e-12)
+  np.testing.assert_allclose(want[..., 1], np.tile(
+      (4 * np.arange(4)[:, None] - 8) / 100, (1, 6)), atol=1e-12)
+  # The grid's centres would have failed the comparison above.
+  rows, cols = (np.arange(4) + 0.5) / 4, (np.arange(6) + 0.5) / 6
+  assert np.abs(votes[0, :, :, 0, 0, 0] - cols[None, :]).max() > 0.1
+  assert np.abs(votes[0, :, :, 0, 0, 1] - rows[:, None]).max() > 0.1
 
 
 def test_released_model_options():
