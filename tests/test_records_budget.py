@@ -1,0 +1,91 @@
+"""The project's records stay within their budgets, and their links resolve.
+
+``results/`` holds the evidence behind the numbers of README.md and
+BENCHMARKS.md (one folder per claim), not every run ever made: superseded
+runs and per-step dumps live in git history. README.md is a newcomer's
+page and BENCHMARKS.md the current figures; the rest is in docs/.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RESULTS_MAX_FILES = 150
+BENCHMARKS_MAX_LINES = 400
+README_MAX_LINES = 200
+
+
+def _results_files():
+  """The files of results/: git-tracked ones in a checkout, else all."""
+  results = os.path.join(REPO, 'results')
+  if shutil.which('git') and os.path.isdir(os.path.join(REPO, '.git')):
+    out = subprocess.run(['git', 'ls-files', '-z', '--', 'results'],
+                         cwd=REPO, capture_output=True, check=False)
+    if out.returncode == 0:
+      return [p for p in out.stdout.decode().split('\0') if p]
+  return [os.path.join(dirpath, name)
+          for dirpath, _, names in os.walk(results) for name in names]
+
+
+def _lines(name):
+  with open(os.path.join(REPO, name), encoding='utf-8') as f:
+    return len(f.read().splitlines())
+
+
+def test_results_holds_at_most_its_budget_of_files():
+  count = len(_results_files())
+  assert count <= RESULTS_MAX_FILES, (
+      f'results/ holds {count} tracked files, over its budget of '
+      f'{RESULTS_MAX_FILES}: remove superseded runs and merge per-run logs '
+      '(results/README.md says how)')
+
+
+@pytest.mark.parametrize('name, budget', [
+    ('BENCHMARKS.md', BENCHMARKS_MAX_LINES),
+    ('README.md', README_MAX_LINES),
+])
+def test_page_is_within_its_line_budget(name, budget):
+  count = _lines(name)
+  assert count <= budget, (
+      f'{name} has {count} lines, over its budget of {budget}: move detail '
+      'into docs/ and link it')
+
+
+_LINK = re.compile(r'\]\(([^)\s]+)\)')
+
+
+def _pages():
+  pages = ['README.md', 'BENCHMARKS.md']
+  pages += sorted(os.path.relpath(p, REPO)
+                  for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
+  return pages
+
+
+def _relative_links(text):
+  for target in _LINK.findall(text):
+    if re.match(r'^[a-z][a-z0-9+.-]*:', target, re.I) or target.startswith(
+        ('#', '/')):
+      continue  # a URL, mailto:, an anchor or an absolute path
+    yield target.split('#', 1)[0]
+
+
+@pytest.mark.parametrize('page', _pages())
+def test_every_relative_link_points_to_an_existing_file(page):
+  with open(os.path.join(REPO, page), encoding='utf-8') as f:
+    text = f.read()
+  base = os.path.dirname(os.path.join(REPO, page))
+  missing = [target for target in _relative_links(text)
+             if target and not os.path.exists(os.path.join(base, target))]
+  assert not missing, f'{page} links to missing paths: {missing}'
+
+
+def test_the_link_check_sees_links():
+  text = ('[a](docs/x.md) [b](https://example.org) [c](#top) '
+          '[d](results/y/README.md#claim)')
+  assert list(_relative_links(text)) == ['docs/x.md', 'results/y/README.md']
