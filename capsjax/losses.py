@@ -82,7 +82,7 @@ def spread_loss(activations: ArrayLike, labels: ArrayLike, margin: ArrayLike,
   Args:
     activations: [B, K] class activations a_i.
     labels: [B] integer target class t.
-    margin: scalar m (see ``spread_loss_margin``).
+    margin: scalar m (see ``spread_loss_margin``), taken in the loss's dtype.
     class_reduction: 'sum' or 'mean'.
   Returns:
     [B].
@@ -92,6 +92,9 @@ def spread_loss(activations: ArrayLike, labels: ArrayLike, margin: ArrayLike,
                      f'{class_reduction!r}.')
   activations = _at_least_float32(activations)
   labels = jnp.asarray(labels)
+  # In the loss's dtype: a float64 margin (``spread_loss_margin`` under
+  # jax_enable_x64) must not widen a float32 model's loss.
+  margin = jnp.asarray(margin, activations.dtype)
   num_classes = activations.shape[-1]
   one_hot = jax.nn.one_hot(labels, num_classes, dtype=activations.dtype)
   target = jnp.sum(activations * one_hot, axis=-1, keepdims=True)
@@ -102,14 +105,20 @@ def spread_loss(activations: ArrayLike, labels: ArrayLike, margin: ArrayLike,
 
 def spread_loss_margin(step: ArrayLike, *, schedule: str = 'authors',
                        total_steps: int = 50_000, start: float = 0.2,
-                       end: float = 0.9) -> jax.Array:
-  """The spread-loss margin m at a training step.
+                       end: float = 0.9, dtype=None) -> jax.Array:
+  """The spread-loss margin m at a training step, a scalar in ``dtype``.
 
   'linear': m grows linearly from ``start`` to ``end`` over ``total_steps``
   (the paper's words). 'authors': m = 0.2 + 0.79 sigmoid(min(10, step/50000
   - 4)) (the released code; ``total_steps`` is then the 50000 scale).
+
+  ``dtype`` None: JAX's default float, float32, or float64 under
+  jax_enable_x64, so that a float64 loss gets a margin computed in float64
+  (``spread_loss`` takes it in the loss's dtype).
   """
-  step = jnp.asarray(step, jnp.float32)
+  if dtype is None:
+    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+  step = jnp.asarray(step, dtype)
   if schedule == 'linear':
     return start + (end - start) * jnp.clip(step / total_steps, 0.0, 1.0)
   if schedule == 'authors':
@@ -119,8 +128,9 @@ def spread_loss_margin(step: ArrayLike, *, schedule: str = 'authors',
 
 
 def cross_entropy_loss(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
-  """Softmax cross-entropy, [B, K] logits and [B] integer labels -> [B]."""
-  logits = jnp.asarray(logits, jnp.float32)
+  """Softmax cross-entropy, [B, K] logits and [B] integer labels -> [B], in
+  float32 or the logits' wider dtype."""
+  logits = _at_least_float32(logits)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.take_along_axis(log_probs, jnp.asarray(labels)[:, None],
                               axis=-1)[:, 0]

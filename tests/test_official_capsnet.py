@@ -13,6 +13,8 @@ into that layout, so the test also checks the permutation between the two
 capsule orders.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -30,55 +32,66 @@ from capsjax.conv import lowerings
 # The reference, float64, in the official code's layout.
 
 
-def _conv_nchw(x, kernel, stride):
+# Written against an array module ``xp``: NumPy (complex inputs too, for
+# complex-step derivatives: hence relu and the comparisons on the real part)
+# or jax.numpy (its gradient, element by element).
+
+
+def _conv_nchw(x, kernel, stride, xp=np):
   """VALID convolution: x [N, C, H, W], kernel [K, K, C, F] -> [N, F, H', W']."""
   k = kernel.shape[0]
   out_h = (x.shape[2] - k) // stride + 1
   out_w = (x.shape[3] - k) // stride + 1
-  out = np.zeros((x.shape[0], kernel.shape[3], out_h, out_w))
+  out = 0.0
   for di in range(k):
     for dj in range(k):
       window = x[:, :, di:di + stride * out_h:stride,
                  dj:dj + stride * out_w:stride]  # [N, C, H', W']
-      out += np.einsum('nchw,cf->nfhw', window, kernel[di, dj])
+      out = out + xp.einsum('nchw,cf->nfhw', window, kernel[di, dj],
+                            optimize=True)
   return out
 
 
-def _squash(x, axis):
+def _relu(x):
+  return x * (x.real > 0)
+
+
+def _squash(x, axis, xp=np):
   """The official ``_squash`` (no epsilon: no zero vectors reach it here)."""
-  norm = np.sqrt(np.sum(x * x, axis=axis, keepdims=True))
+  norm = xp.sqrt(xp.sum(x * x, axis=axis, keepdims=True))
   return x / norm * (norm**2 / (1.0 + norm**2))
 
 
-def _route_softmax(logits, leaky):
+def _route_softmax(logits, leaky, xp=np):
   """Softmax over axis 2 (the output capsules); leaky: an extra zero logit
   in front, dropped after the softmax."""
   if leaky:
-    zero = np.zeros_like(logits[:, :, :1])
-    logits = np.concatenate([zero, logits], axis=2)
-  e = np.exp(logits - logits.max(axis=2, keepdims=True))
+    zero = xp.zeros_like(logits[:, :, :1])
+    logits = xp.concatenate([zero, logits], axis=2)
+  e = xp.exp(logits - logits.real.max(axis=2, keepdims=True))
   route = e / e.sum(axis=2, keepdims=True)
   return route[:, :, 1:] if leaky else route
 
 
-def _routing(votes, biases, num_routing, leaky):
+def _routing(votes, biases, num_routing, leaky, xp=np):
   """``_update_routing``: votes [B, I, O, D, ...] -> activations [B, O, D, ...].
 
   Logits [B, I, O, ...] start at 0 and grow by <vote, activation> after
   every iteration; the last iteration's activation is returned.
   """
-  logits = np.zeros(votes.shape[:3] + votes.shape[4:])
+  logits = xp.zeros(votes.shape[:3] + votes.shape[4:], votes.dtype)
   for _ in range(num_routing):
-    route = _route_softmax(logits, leaky)
-    preactivate = np.sum(route[:, :, :, None] * votes, axis=1) + biases
-    activation = _squash(preactivate, axis=2)
-    logits = logits + np.sum(votes * activation[:, None], axis=3)
+    route = _route_softmax(logits, leaky, xp)
+    preactivate = xp.sum(route[:, :, :, None] * votes, axis=1) + biases
+    activation = _squash(preactivate, axis=2, xp=xp)
+    logits = logits + xp.sum(votes * activation[:, None], axis=3)
   return activation
 
 
 def official_forward(params, images, labels, *, num_routing, leaky,
-                     num_types=32, atoms=8, out_atoms=16):
-  """The official CapsuleModel.inference + evaluate, float64.
+                     num_types=32, atoms=8, out_atoms=16, xp=np):
+  """The official CapsuleModel.inference + evaluate, float64 (or complex128
+  parameters for complex-step derivatives; ``xp``: numpy or jax.numpy).
 
   Args:
     params: the official variables: conv1 (weights [9, 9, C, 256], biases),
@@ -90,40 +103,39 @@ def official_forward(params, images, labels, *, num_routing, leaky,
     logits [B, K] (capsule lengths), remakes [B, C*H*W], total loss.
   """
   batch = images.shape[0]
-  conv1 = _conv_nchw(images, params['conv1_w'], 1)
-  relu1 = np.maximum(conv1 + params['conv1_b'][None, :, None, None], 0.0)
+  conv1 = _conv_nchw(images, params['conv1_w'], 1, xp)
+  relu1 = _relu(conv1 + params['conv1_b'][None, :, None, None])
   # conv_slim_capsule(input_dim=1, output_dim=T, num_routing=1): votes
   # [B, 1, T, 8, H', W'], routed once over the single input capsule.
-  conv = _conv_nchw(relu1, params['caps1_w'], 2)
+  conv = _conv_nchw(relu1, params['caps1_w'], 2, xp)
   votes = conv.reshape(batch, 1, num_types, atoms, *conv.shape[2:])
-  capsule1 = _routing(votes, params['caps1_b'][None], 1, leaky)
+  capsule1 = _routing(votes, params['caps1_b'][None], 1, leaky, xp)
   # [B, T, 8, H', W'] -> [B, T, H', W', 8] -> [B, T*H'*W', 8].
-  capsule1_3d = np.transpose(capsule1, (0, 1, 3, 4, 2)).reshape(
+  capsule1_3d = xp.transpose(capsule1, (0, 1, 3, 4, 2)).reshape(
       batch, -1, atoms)
   # capsule(): votes [B, I, K, 16] from weights [I, 8, K*16].
   num_classes = params['caps2_b'].shape[0]
-  votes2 = np.einsum('bic,ico->bio', capsule1_3d, params['caps2_w']).reshape(
+  votes2 = xp.einsum('bic,ico->bio', capsule1_3d, params['caps2_w']).reshape(
       batch, -1, num_classes, out_atoms)
-  capsules = _routing(votes2, params['caps2_b'][None], num_routing, leaky)
-  logits = np.sqrt(np.sum(capsules**2, axis=-1))
+  capsules = _routing(votes2, params['caps2_b'][None], num_routing, leaky, xp)
+  logits = xp.sqrt(xp.sum(capsules**2, axis=-1))
   # reconstruction(): the label's capsule only, FC 512 ReLU, FC 1024 ReLU,
   # FC pixels sigmoid.
   one_hot = np.eye(num_classes)[labels]
   hidden = (capsules * one_hot[..., None]).reshape(batch, -1)
   for i, (w, b) in enumerate(params['recons']):
     hidden = hidden @ w + b
-    hidden = (np.maximum(hidden, 0.0) if i < 2 else
-              1.0 / (1.0 + np.exp(-hidden)))
+    hidden = _relu(hidden) if i < 2 else 1.0 / (1.0 + xp.exp(-hidden))
   remakes = hidden
   # _margin_loss on logits - 0.5 with margin 0.4, downweight 0.5, then
   # reduce_mean over batch and classes; + 0.0005 * batch mean of the summed
   # squared error.
   shifted = logits - 0.5
-  positive = one_hot * (shifted < 0.4) * (shifted - 0.4)**2
-  negative = (1 - one_hot) * (shifted > -0.4) * (shifted + 0.4)**2
-  margin = np.mean(0.5 * positive + 0.5 * 0.5 * negative)
+  positive = one_hot * (shifted.real < 0.4) * (shifted - 0.4)**2
+  negative = (1 - one_hot) * (shifted.real > -0.4) * (shifted + 0.4)**2
+  margin = xp.mean(0.5 * positive + 0.5 * 0.5 * negative)
   target = images.reshape(batch, -1)
-  reconstruction = 0.0005 * np.mean(np.sum((remakes - target)**2, axis=-1))
+  reconstruction = 0.0005 * xp.mean(xp.sum((remakes - target)**2, axis=-1))
   return logits, remakes, margin + reconstruction
 
 
@@ -180,33 +192,79 @@ def _official_model(seed, **options):
 ])
 def test_official_capsnet_matches_the_official_code(options, num_routing,
                                                     leaky):
+  """Outputs, loss and the gradient of every parameter, in float64.
+
+  The reference gradient is jax.grad of the reference run on jax.numpy,
+  checked itself against complex-step derivatives of the NumPy reference
+  along a random direction per parameter. capsjax's gradient must match it
+  element by element to 1e-9 relative, each element within 1e-10 of its
+  parameter's largest gradient entry absolute (entries near zero).
+  """
   height, width, _ = options.get('input_shape', (28, 28, 1))
   rng = np.random.default_rng(7)
   images = rng.uniform(size=(3, height, width, 1))
   labels = np.array([3, 0, 9])
+  types = options.get('primary_types', 32)
   with jax.enable_x64(True):
     model = _official_model(1, **options)
     config = ml_collections.ConfigDict({'reconstruction_weight': 0.0005,
                                         'loss_form': 'official'})
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit
-    def forward(x, y):
-      outputs = model(x, y, train=True)
-      loss, _ = families.of(model).loss(outputs, y, config, images=x)
-      return (outputs['class_scores'], outputs['reconstructions'],
-              jnp.mean(loss))
+    def forward(params, x, y):
+      def loss_of(params):
+        model = nnx.merge(graphdef, params, rest)
+        outputs = model(x, y, train=True)
+        loss, _ = families.of(model).loss(outputs, y, config, images=x)
+        return jnp.mean(loss), (outputs['class_scores'],
+                                outputs['reconstructions'])
 
-    lengths, remakes, loss = forward(jnp.asarray(images, jnp.float64),
-                                     jnp.asarray(labels))
+      (loss, (lengths, remakes)), grads = jax.value_and_grad(
+          loss_of, has_aux=True)(params)
+      return lengths, remakes, loss, grads
+
+    lengths, remakes, loss, grads = forward(
+        params, jnp.asarray(images, jnp.float64), jnp.asarray(labels))
     assert lengths.dtype == jnp.float64
-    params = official_params(model)
-  types = options.get('primary_types', 32)
-  want = official_forward(params, images.transpose(0, 3, 1, 2), labels,
-                          num_routing=num_routing, leaky=leaky,
-                          num_types=types)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {
+        jnp.dtype(jnp.float64)}
+    ref_params = official_params(model)
+    got_grads = official_params(nnx.merge(graphdef, grads, rest))
+    reference = functools.partial(
+        official_forward, images=images.transpose(0, 3, 1, 2), labels=labels,
+        num_routing=num_routing, leaky=leaky, num_types=types)
+    # The reference broadcasts as NumPy does ([B, F] + [F]).
+    with jax.numpy_rank_promotion('allow'):
+      want_grads = jax.jit(jax.grad(lambda p: reference(p, xp=jnp)[2]))(
+          ref_params)
+  want = reference(ref_params)
   for got, expected in zip((lengths, remakes, loss), want, strict=True):
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-10,
                                atol=1e-12)
+  # Every parameter: capsjax's 12 tensors are the reference's 12.
+  names = [jax.tree_util.keystr(path) for path, _ in
+           jax.tree_util.tree_leaves_with_path(ref_params)]
+  assert len(names) == len(jax.tree.leaves(params)) == 12
+  flat_got = jax.tree.leaves(got_grads)
+  flat_want = [np.asarray(g) for g in jax.tree.leaves(want_grads)]
+  for name, got, expected in zip(names, flat_got, flat_want, strict=True):
+    np.testing.assert_allclose(got, expected, rtol=1e-9,
+                               atol=1e-10 * np.max(np.abs(expected)),
+                               err_msg=name)
+  # The reference gradient against complex-step derivatives of the NumPy
+  # reference: exact to rounding (no subtraction), one direction a tensor.
+  leaves, treedef = jax.tree.flatten(ref_params)
+  step = 1e-30
+  for index, (name, expected) in enumerate(zip(names, flat_want,
+                                               strict=True)):
+    direction = rng.standard_normal(expected.shape)
+    perturbed = list(leaves)
+    perturbed[index] = leaves[index] + 1j * step * direction
+    derivative = reference(jax.tree.unflatten(treedef, perturbed))[2].imag
+    np.testing.assert_allclose(
+        np.sum(expected * direction), derivative / step, rtol=1e-9,
+        atol=1e-12 * np.sum(np.abs(expected * direction)), err_msg=name)
 
 
 def test_text_form_differs_from_the_official_one_by_its_coupling():

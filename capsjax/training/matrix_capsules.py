@@ -43,11 +43,13 @@ def l2_penalty(params, *, form: str = 'sum') -> jax.Array:
   activation kernels, the convolutional capsules' and the class capsules'
   transforms; not conv1's bias nor the betas (``bias_variable``s in the
   released code, which never decays them). The released primary capsules
-  have no bias; capsjax's default ones have, exempt.
+  have no bias; capsjax's default ones have, exempt. Summed in float32, or
+  float64 for float64 weights.
   """
   if form not in ('sum', 'half'):
     raise ValueError(f"form must be 'sum' or 'half', got {form!r}.")
-  total = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+  total = sum(jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype,
+                                                            jnp.float32))))
               for x in jax.tree.leaves(params) if x.ndim > 1)
   return total / 2 if form == 'half' else total
 
