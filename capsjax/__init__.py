@@ -1,18 +1,20 @@
 """capsjax: capsule networks in JAX/Flax (dynamic routing and EM routing).
 
-One process-wide setting: ``import capsjax`` adds
-``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`` to
-``XLA_FLAGS`` when JAX has not started its backend yet, so that XLA:CPU runs
-its Eigen convolutions rather than YNNPACK's (3-5x slower to train here;
-``capsjax.conv.dispatch``). ``CAPSJAX_YNN_CONVOLUTIONS=1`` in the
-environment, or YNNPACK fusion types already named in ``XLA_FLAGS``, leave
-``XLA_FLAGS`` alone (tests/test_cpu_convolutions.py).
+``import capsjax`` changes nothing in the process. One setting is an
+explicit call, to make before JAX's first computation (the experiments,
+benchmarks and tests make it): ``capsjax.prefer_eigen_convolutions()``
+adds ``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`` to
+``XLA_FLAGS``, so that XLA:CPU runs its Eigen convolutions rather than
+YNNPACK's (3-5x slower to train here; ``capsjax.conv.dispatch``).
+``CAPSJAX_YNN_CONVOLUTIONS=1`` in the environment, or YNNPACK fusion types
+already named in ``XLA_FLAGS``, leave ``XLA_FLAGS`` alone; it returns what
+it did, in words (tests/test_cpu_convolutions.py).
 """
 
 from capsjax.attention_routing import efficient_squash
 from capsjax.attention_routing import inverted_dot_product_routing
 from capsjax.attention_routing import self_attention_routing
-from capsjax.conv import dispatch
+from capsjax.conv.dispatch import prefer_eigen_convolutions
 from capsjax.losses import cross_entropy_loss
 from capsjax.losses import margin_loss
 from capsjax.losses import reconstruction_loss
@@ -33,10 +35,6 @@ from capsjax.votes import vector_votes
 
 __version__ = '0.1.0'
 
-# Before JAX starts its backend, which reads XLA_FLAGS once: XLA:CPU's
-# YNNPACK convolutions train 3-5x slower than its Eigen ones (BENCHMARKS.md).
-dispatch.prefer_eigen_convolutions()
-
 __all__ = (
     'conv_capsule_patches',
     'conv_parent_normalizer',
@@ -49,6 +47,7 @@ __all__ = (
     'inverse_temperature_schedule',
     'inverted_dot_product_routing',
     'margin_loss',
+    'prefer_eigen_convolutions',
     'matrix_votes',
     'reconstruction_loss',
     'safe_norm',

@@ -22,6 +22,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from capsjax.conv import dispatch  # noqa: E402
+
+# XLA:CPU's Eigen convolutions, as the experiments run them (before JAX
+# starts its backend).
+dispatch.prefer_eigen_convolutions()
+
 # As equinox does: implicit rank promotion ([B, O] + [O]) is how a batch axis
 # silently lines up with the wrong one, so every test runs with it raising.
 jax.config.update('jax_numpy_rank_promotion', 'raise')

@@ -71,7 +71,7 @@ needs_the_flag = pytest.mark.skipif(
 
 
 @needs_the_flag
-def test_import_turns_ynn_convolutions_off_and_convs_go_direct():
+def test_the_call_turns_ynn_convolutions_off_and_convs_go_direct():
   result = _probe(XLA_FLAGS='--xla_force_host_platform_device_count=2')
   assert result['status'].startswith('applied'), result
   # The caller's own flags are kept beside it.

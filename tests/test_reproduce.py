@@ -637,8 +637,8 @@ from experiments import reproduce
 from tests import test_reproduce
 reproduce.suite_experiments = lambda name: [test_reproduce._fake('a', 2)]
 assert reproduce.run_suite({str(tmp_path)!r}, 'paper') == 0
-from jax._src import xla_bridge
-print('backends', xla_bridge.backends_are_initialized())
+from capsjax import _jax_private
+print('backends', _jax_private.backends_started())
 '''
   result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
                           capture_output=True, text=True, timeout=300,

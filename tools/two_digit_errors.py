@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from capsjax import training
+from capsjax.conv import dispatch
 from capsjax.data import blank_fields
 from capsjax.data import digit_pairs
 from capsjax.data import load_dataset
@@ -28,6 +29,7 @@ from capsjax.evaluators import two_digit_transfer
 def main(workdirs: list[str]) -> None:
   if not workdirs:
     sys.exit(__doc__)
+  dispatch.prefer_eigen_convolutions()  # as the experiments evaluated
   test = load_dataset('mnist', validation_size=5000).test
   for workdir in workdirs:
     model = training.load_trained_model(workdir)

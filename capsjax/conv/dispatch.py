@@ -13,10 +13,14 @@ around was mostly this.
 ``prefer_eigen_convolutions`` turns the YNNPACK convolution fusion off
 through XLA_FLAGS (``-individual_convolution``, which keeps YNNPACK's
 other fusions). XLA reads XLA_FLAGS once, when JAX starts its backend, so
-``import capsjax`` calls it then; afterwards ``ynn_convolutions`` asks the
-compiler what it actually does, and ``lowerings.conv2d`` picks its CPU
-lowering from the answer (``cpu_conv_impl``), or oneDNN's convolution
-where ``capsjax.conv.onednn`` is installed: faster than any of XLA's.
+it must be called before that: the experiments' launcher, the benchmarks
+and the tests call it first; a notebook calls
+``capsjax.prefer_eigen_convolutions()`` before its first JAX computation
+(``import capsjax`` changes nothing in the process). Afterwards
+``ynn_convolutions`` asks the compiler what it actually does, and
+``lowerings.conv2d`` picks its CPU lowering from the answer
+(``cpu_conv_impl``), or oneDNN's convolution where ``capsjax.conv.onednn``
+is installed: faster than any of XLA's.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import functools
 import importlib.util
 import mmap
 import os
-import sys
+
+from capsjax import _jax_private
 
 NO_YNN_CONVOLUTIONS = (
     '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution')
@@ -62,8 +67,7 @@ def _jaxlib_knows_flag() -> bool:
 
 def backend_started() -> bool:
   """Whether JAX has created its backends (and so read XLA_FLAGS)."""
-  bridge = sys.modules.get('jax._src.xla_bridge')
-  return bool(bridge is not None and getattr(bridge, '_backends', None))
+  return _jax_private.backends_started()
 
 
 def prefer_eigen_convolutions() -> str:
