@@ -48,7 +48,8 @@ ATTACKS = ('fgsm', 'bim')
 def input_gradient(loss_fn: LossFn, images: ArrayLike, labels: ArrayLike
                    ) -> jax.Array:
   """d loss_fn(images, labels)[b] / d images[b] for every b: [B, H, W, C]."""
-  images = jnp.asarray(images, jnp.float32)
+  images = jnp.asarray(images)
+  images = images.astype(jnp.promote_types(images.dtype, jnp.float32))
   return jax.grad(lambda x: jnp.sum(loss_fn(x, labels)))(images)
 
 
@@ -66,7 +67,8 @@ def fgsm(loss_fn: LossFn, images: ArrayLike, labels: ArrayLike,
   Returns:
     [B, H, W, C]: clip(images + epsilon sign(grad), clip_min, clip_max).
   """
-  images = jnp.asarray(images, jnp.float32)
+  images = jnp.asarray(images)
+  images = images.astype(jnp.promote_types(images.dtype, jnp.float32))
   grad = input_gradient(loss_fn, images, labels)
   return jnp.clip(images + epsilon * jnp.sign(grad), clip_min, clip_max)
 
@@ -85,7 +87,8 @@ def bim(loss_fn: LossFn, images: ArrayLike, labels: ArrayLike,
   Returns:
     [B, H, W, C] within ``epsilon`` of ``images`` in every pixel.
   """
-  images = jnp.asarray(images, jnp.float32)
+  images = jnp.asarray(images)
+  images = images.astype(jnp.promote_types(images.dtype, jnp.float32))
   if num_steps < 0:
     raise ValueError(f'num_steps must be >= 0, got {num_steps}.')
   low = jnp.maximum(images - epsilon, clip_min)

@@ -16,6 +16,8 @@ Parameter counts (``count_params``, default options):
   1,474,560 + digit bias 160 + decoder 1,411,344 (8,215,568 with
   ``use_bias=False``; 6,804,384 without the decoder).
 - 'baseline_cnn' 28x28x1: 35,445,522 (layout in ``BaselineCNN``).
+- 'efficient_capsnet' 28x28x1: 1,573,168 = 161,824 (the paper's count) +
+  decoder 1,411,344 (layout in ``EfficientCapsNet``).
 - 'matrix_capsnet' 32x32x1: A=B=C=D=32 316,394; A=64, B=8, C=D=16 67,154
   (paper: about 310K and 68K; what is counted is in ``MatrixCapsNet``).
 - 'two_digit_baseline' 276,810; 'two_digit_capsnet' 279,488 (any input size).
@@ -95,16 +97,20 @@ class _MLP(nnx.Module):
 
   def __init__(self, in_features: int, widths: Sequence[int], *,
                kernel_init=layers.lecun_normal, bias_init: float = 0.0,
-               rngs: nnx.Rngs):
+               last_kernel_init=None, rngs: nnx.Rngs):
     sizes = (in_features,) + tuple(widths)
     bias = nnx.initializers.constant(bias_init)
+    inits = [kernel_init] * len(widths)
+    if last_kernel_init is not None:  # Efficient-CapsNet's decoder output
+      inits[-1] = last_kernel_init
     # conv_lib.dot_general: a large bfloat16 layer (the baseline CNN's first
     # dense layer) runs through oneDNN's matmul, XLA:CPU's being slow there.
-    self.layers = nnx.List([nnx.Linear(a, b, kernel_init=kernel_init,
+    self.layers = nnx.List([nnx.Linear(a, b, kernel_init=init,
                                        bias_init=bias,
                                        dot_general=conv_lib.dot_general,
                                        rngs=rngs)
-                            for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
+                            for a, b, init in zip(sizes[:-1], sizes[1:], inits,
+                                                  strict=True)])
 
   def __call__(self, x: jax.Array) -> jax.Array:
     for i, layer in enumerate(self.layers):
@@ -593,7 +599,7 @@ class TwoDigitBaseline(nnx.Module):
                                  self.trunk.convs[0].kernel.dtype))
     # The head in float32 (128 -> 128 -> K: cheap), so that bfloat16
     # compute does not round the scores into ties (see _lengths).
-    pooled = x.mean(axis=(1, 2)).astype(jnp.float32)
+    pooled = x.mean(axis=(1, 2)).astype(jnp.promote_types(x.dtype, jnp.float32))
     return {'class_scores': jax.nn.sigmoid(self.head(pooled))}
 
 
@@ -645,11 +651,126 @@ class TwoDigitCapsNet(nnx.Module):
 
 
 # ----------------------------------------------------------------------------
+# Mazzia, Salvetti, Chiaberge 2021.
+
+
+class EfficientCapsNet(nnx.Module):
+  """Efficient-CapsNet (Mazzia, Salvetti, Chiaberge 2021), its MNIST model.
+
+  As the authors' code builds it (EscVM/Efficient-CapsNet,
+  models/efficient_capsnet_graph_mnist.py): four 'VALID' convolutions, each
+  ReLU then batch normalisation (32 5x5, 64 3x3, 64 3x3, 128 3x3 stride 2:
+  28 -> 24 -> 22 -> 20 -> 9), depthwise primary capsules (a 9x9 kernel over
+  the 9x9 grid: 16 capsules of 8, ``layers.DepthwisePrimaryCapsules``),
+  fully connected capsules with self-attention routing to K capsules of 16
+  (``layers.SelfAttentionCapsules``); class scores are their lengths. The
+  decoder (FC 512 ReLU, FC 1024 ReLU, FC H*W*C sigmoid) sees the capsules
+  masked as ``CapsNet``'s does.
+
+  Initialisation as theirs: Keras' he_normal for the convolutions, the
+  capsule transforms and the decoder's hidden layers, glorot normal for its
+  output layer, glorot uniform for the depthwise kernel, zero biases and
+  priors; batch normalisation as Keras' (momentum 0.99, epsilon 1e-3).
+  With ``train`` it normalises by the batch's statistics and updates its
+  running averages (``nnx.BatchStat``, which the trainers carry as the
+  model state); otherwise it normalises by those averages.
+
+  Other input sizes keep the layers: the depthwise kernel leaves an h x w
+  grid and h*w*C/8 primary capsules (the authors instead choose a kernel
+  that leaves 1x1 for each dataset).
+
+  Parameters on 28x28x1: 161,824 without the decoder, the paper's count
+  (Keras' summary also counts the 576 running means and variances):
+  convolutions 832 + 18,496 + 36,928 + 73,856, batch-norm scales and offsets
+  576, depthwise kernel and bias 10,496, transforms 20,480, priors 160. The
+  decoder adds 1,411,344.
+
+  Returns {'class_scores': [B, K] capsule lengths, 'capsules': [B, K,
+  digit_dim], 'coupling': [B, I, K] (I primary capsules; c + B, see
+  ``self_attention_routing``), 'primary_lengths': [B, I], and with
+  ``reconstruction`` 'reconstructions': [B, H*W*C]}.
+  """
+
+  FAMILY: ClassVar[str] = 'capsnet'
+  CONV_KERNELS: ClassVar[tuple[int, ...]] = (5, 3, 3, 3)
+  CONV_STRIDES: ClassVar[tuple[int, ...]] = (1, 1, 1, 2)
+  # Keras' BatchNormalization defaults, which the authors keep.
+  BATCH_NORM = {'momentum': 0.99, 'epsilon': 1e-3}
+
+  def __init__(self, *, input_shape: Sequence[int] = (28, 28, 1),
+               num_classes: int = 10,
+               conv_channels: Sequence[int] = (32, 64, 64, 128),
+               primary_dim: int = 8, primary_kernel: int = 9,
+               digit_dim: int = 16, reconstruction: bool = True,
+               decoder_widths: Sequence[int] = (512, 1024), rngs: nnx.Rngs):
+    height, width, channels = _check_input_shape(input_shape)
+    for name, value in (('num_classes', num_classes),
+                        ('primary_dim', primary_dim),
+                        ('primary_kernel', primary_kernel),
+                        ('digit_dim', digit_dim)):
+      _check_positive_int(name, value)
+    conv_channels = _check_widths('conv_channels', conv_channels)
+    if len(conv_channels) != len(self.CONV_KERNELS):
+      raise ValueError(f'conv_channels must name {len(self.CONV_KERNELS)} '
+                       f'widths, got {conv_channels!r}.')
+    self.input_shape = (height, width, channels)
+    self.num_classes = num_classes
+    sizes = (channels,) + conv_channels
+    self.convs = nnx.List([
+        layers.Conv2D(a, b, k, s, kernel_init=layers.he_normal, rngs=rngs)
+        for a, b, k, s in zip(sizes[:-1], sizes[1:], self.CONV_KERNELS,
+                              self.CONV_STRIDES, strict=True)])
+    # Keras' BatchNormalization: two-pass batch variance, as TF's moments.
+    self.norms = nnx.List([
+        nnx.BatchNorm(c, use_fast_variance=False, rngs=rngs,
+                      **self.BATCH_NORM) for c in conv_channels])
+    for conv in self.convs:
+      height, width = conv.output_size(height), conv.output_size(width)
+    self.primary = layers.DepthwisePrimaryCapsules(
+        conv_channels[-1], primary_dim, primary_kernel, rngs=rngs)
+    self.digit = layers.SelfAttentionCapsules(
+        self.primary.num_capsules(height, width), primary_dim, num_classes,
+        digit_dim, rngs=rngs)
+    if reconstruction:
+      widths = _check_widths('decoder_widths', decoder_widths)
+      self.decoder = _MLP(num_classes * digit_dim,
+                          widths + (math.prod(self.input_shape),),
+                          kernel_init=layers.he_normal,
+                          last_kernel_init=layers.glorot_normal, rngs=rngs)
+    else:
+      self.decoder = None
+
+  # The same masks as the CapsNet's: the label's capsule in training, the
+  # longest otherwise (the authors' Mask layer).
+  decoder_mask = CapsNet.decoder_mask
+
+  def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
+               train: bool = False) -> dict[str, jax.Array]:
+    x = _check_images(images, self.input_shape[2], self.input_shape[:2],
+                      self.convs[0].kernel.dtype)
+    for conv, norm in zip(self.convs, self.norms, strict=True):
+      y = jax.nn.relu(conv(x))
+      # Its running averages stay float32 under a bfloat16 compute dtype.
+      x = norm(y, use_running_average=not train).astype(y.dtype)
+    primary = self.primary(x)  # [B, I, primary_dim]
+    capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
+    lengths = _lengths(capsules)
+    out = {'class_scores': lengths, 'capsules': capsules, 'coupling': coupling,
+           'primary_lengths': routing.safe_norm(primary, axis=-1)}
+    if self.decoder is not None:
+      mask = self.decoder_mask(lengths, labels, train)
+      masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
+      out['reconstructions'] = jax.nn.sigmoid(self.decoder(masked))
+    return out
+
+
+# ----------------------------------------------------------------------------
 # Registry.
 
 _MODELS: dict[str, type[nnx.Module]] = {
     'capsnet': CapsNet,
     'baseline_cnn': BaselineCNN,
+    'efficient_capsnet': EfficientCapsNet,
     'matrix_capsnet': MatrixCapsNet,
     'two_digit_baseline': TwoDigitBaseline,
     'two_digit_capsnet': TwoDigitCapsNet,
@@ -702,6 +823,7 @@ def count_params(model: nnx.Module) -> int:
 __all__ = (
     'BaselineCNN',
     'CapsNet',
+    'EfficientCapsNet',
     'MatrixCapsNet',
     'TwoDigitBaseline',
     'TwoDigitCapsNet',

@@ -136,10 +136,7 @@ def narrow_values(jaxpr, where='') -> list[str]:
 
 
 CASES = ['capsnet', 'capsnet_official', 'baseline_cnn', 'matrix_capsnet',
-         'matrix_capsnet_authors', 'two_digit_capsnet',
-         pytest.param('two_digit_baseline', marks=pytest.mark.xfail(
-             strict=True, reason="TwoDigitBaseline's head casts its pooled "
-             'features to float32 (capsjax/models.py)'))]
+         'matrix_capsnet_authors', 'two_digit_capsnet', 'two_digit_baseline']
 
 
 @pytest.mark.parametrize('case', CASES)
@@ -268,3 +265,31 @@ def test_losses_and_penalty_keep_float64():
   np.testing.assert_allclose(penalty, np.sum(scores**2), rtol=1e-14)
   # Without x64 the margin is float32, as float32 training computes it.
   assert losses.spread_loss_margin(5).dtype == jnp.float32
+
+
+def test_attack_gradients_and_two_digit_reconstructions_keep_float64():
+  """The attacks' input gradient of float64 images is float64 (and exact for
+  a quadratic loss); the two-digit reconstructions of a float64 CapsNet are
+  float64, float32 ones float32 as before."""
+  from capsjax import adversarial
+  from capsjax.training import vector_capsules
+  with jax.enable_x64(True):
+    images = jnp.asarray(np.linspace(0, 1, 2 * 3 * 3).reshape(2, 3, 3, 1),
+                         jnp.float64)
+    grad = adversarial.input_gradient(
+        lambda x, y: jnp.sum(x ** 2, axis=(1, 2, 3)) * y, images,
+        jnp.asarray([1.0, 2.0], jnp.float64))
+    assert grad.dtype == jnp.float64
+    np.testing.assert_allclose(
+        grad, 2 * np.asarray(images) * np.array([1, 2])[:, None, None, None],
+        rtol=1e-15)
+    from experiments.configs import capsnet_multimnist
+    config = capsnet_multimnist.get_config('smoke')
+    for dtype in (jnp.float64, jnp.float32):
+      model = state_lib.create_model(config)
+      params = nnx.state(model, nnx.Param)
+      nnx.update(model, jax.tree.map(lambda p, d=dtype: p.astype(d), params))
+      pairs = jnp.zeros((2, 36, 36, 1), dtype)
+      outputs = vector_capsules.two_digit_outputs(
+          model, pairs, jnp.asarray([[0, 1], [2, 3]]), train=False)
+      assert outputs['digit_reconstructions'].dtype == dtype

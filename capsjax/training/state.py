@@ -149,7 +149,8 @@ def gradient_step(graphdef: nnx.GraphDef, state: TrainState,
                       state.model_state, copy=True)
     loss, metrics = loss_fn(model)
     _, _, model_state = nnx.split(model, nnx.Param, ...)
-    return loss.astype(jnp.float32), (metrics, model_state)
+    return (loss.astype(jnp.promote_types(loss.dtype, jnp.float32)),
+            (metrics, model_state))
 
   (loss, (metrics, model_state)), grads = jax.value_and_grad(
       loss_of_params, has_aux=True)(state.params)

@@ -130,7 +130,9 @@ def two_digit_outputs(model: nnx.Module, images: jax.Array,
   outputs = state_lib.forward(model, images, dtype, train=train)
   if getattr(model, 'decoder', None) is not None and 'capsules' in outputs:
     outputs['digit_reconstructions'] = model.reconstruct_digits(
-        outputs['capsules'], labels).astype(jnp.float32)
+        outputs['capsules'], labels)
+    outputs['digit_reconstructions'] = outputs['digit_reconstructions'].astype(
+        jnp.promote_types(outputs['digit_reconstructions'].dtype, jnp.float32))
   return outputs
 
 
