@@ -1,7 +1,7 @@
 """Compiled memory and cost of the EM models' train step and routing layers.
 
 XLA's compiled memory analysis (exact for the compiled program, no run) and
-cost analysis of the real train step (as ``experiments.benchmark`` builds
+cost analysis of the real train step (as ``benchmarks.harness`` builds
 it) at several batches, of each EM routing layer's forward and forward +
 backward passes, and optionally a short timing of the train step.
 
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import harness
 from capsjax import layers
 from capsjax.training import state as state_lib
-from experiments import benchmark
 
 _MIB = 2.0**20
 
@@ -45,16 +45,16 @@ _MIB = 2.0**20
 def _train_step(spec: str, batch: int, options: dict, impl: str = 'kernel'):
   """(jitted train step, its example arguments) of a config at ``batch``,
   its conv capsule layers routing as ``impl`` says."""
-  config = benchmark.configure(
+  config = harness.configure(
       spec, batch_size=batch,
       options=options | _routing_options(impl))
-  step, example = benchmark.train_step_and_inputs(config)
+  step, example = harness.train_step_and_inputs(config)
   return jax.jit(step, donate_argnums=0), example
 
 
 def _analysis(compiled) -> dict:
-  memory = benchmark.memory_analysis(compiled)
-  cost = benchmark.xla_cost(compiled)
+  memory = harness.memory_analysis(compiled)
+  cost = harness.xla_cost(compiled)
   return {'temp_mib': memory['temp'] / _MIB,
           'total_mib': memory['total'] / _MIB,
           'xla_gflop': (cost['flops'] or 0.0) / 1e9,
@@ -134,7 +134,7 @@ def _layer_fns(model, impl: str):
 
 def layers_table(args, hlo_dir: str = '') -> None:
   model = state_lib.create_model(
-      benchmark.configure(args.model, options=args.options), seed=0)
+      harness.configure(args.model, options=args.options), seed=0)
   for batch in args.batches:
     inputs = _layer_inputs(model, batch, jax.random.PRNGKey(0))
     for name in ('caps1', 'caps2', 'class'):
@@ -224,7 +224,7 @@ def main() -> None:
   args.batches = [int(b) for b in args.batches.split(',')]
   args.impls = args.impls.split(',')
   args.options = dict(
-      (k, benchmark.parse_value(v)) for k, v in
+      (k, harness.parse_value(v)) for k, v in
       (o.split('=', 1) for o in args.option))
   if args.mode == 'steps':
     steps_table(args)

@@ -5,7 +5,7 @@
 Each reference has the architecture, the loss and the optimiser of the
 capsjax model of the same name (same shapes, same FLOPs): it is what a
 PyTorch user would write, not a port of capsjax's code. Only
-``experiments.benchmark`` imports this module, and only with
+``benchmarks.harness`` imports this module, and only with
 ``--compare=torch``; torch is the optional extra ``pip install -e
 '.[bench]'``. ``train_step_fn`` runs a reference on the CPU or a CUDA GPU
 in one of PyTorch's modes (``TORCH_MODES``): eager or ``torch.compile``d

@@ -306,7 +306,7 @@ def device_peak(device_kind: str) -> DevicePeak | None:
   """The ``DEVICE_PEAKS`` entry whose key occurs in ``device_kind``, or None.
 
   ``device_kind`` is ``jax.devices()[0].device_kind`` (e.g. 'NVIDIA H100 80GB
-  HBM3'); CPUs have no entry (measure them: see experiments/benchmark.py).
+  HBM3'); CPUs have no entry (measure them: see benchmarks/harness.py).
   """
   for name, peak in DEVICE_PEAKS.items():
     if name.lower() in device_kind.lower():

@@ -1,4 +1,5 @@
-"""Tests of experiments/benchmark.py (a smoke run) and capsjax/flops.py.
+"""Tests of benchmarks/harness.py, its command experiments/benchmark.py (a
+smoke run) and capsjax/flops.py.
 
 Timings are never asserted: only that the benchmark writes well-formed rows
 with positive, finite values, and that the analytical counts match hand
@@ -15,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import harness
 from capsjax import flops
 from capsjax import routing
-from experiments import benchmark
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +94,7 @@ def test_device_count_sweep_in_bfloat16(tmp_path):
 
 
 def test_routing_only_rows(tmp_path):
-  rows = benchmark.run(
+  rows = harness.run(
       model='', routing_only=True, batch_size=1, steps=1, warmup=0,
       routing_cases=['dynamic_digitcaps', 'em_class'],
       sweep='num_iterations:1,2', peak_gflops=50.0, bandwidth_gbs=10.0,
@@ -101,7 +102,7 @@ def test_routing_only_rows(tmp_path):
   assert len(rows) == 8  # 2 iteration counts x 2 cases x 2 passes
   assert [r['num_iterations'] for r in rows] == [1] * 4 + [2] * 4
   output = tmp_path / 'routing.json'
-  table = benchmark.write_outputs(rows, str(output), '')
+  table = harness.write_outputs(rows, str(output), '')
   for row in json.loads(output.read_text())['rows']:
     for key in ROUTING_KEYS:
       assert key in row, key
@@ -114,21 +115,21 @@ def test_routing_only_rows(tmp_path):
 
 
 def test_config_resolution_and_shapes():
-  config = benchmark.configure('matrix_capsnet_smallnorb:small', batch_size=4)
+  config = harness.configure('matrix_capsnet_smallnorb:small', batch_size=4)
   assert config.model == 'matrix_capsnet' and config.batch_size == 4
-  assert benchmark.image_shape(config) == (48, 48, 2)  # cropped to 32 in-step
-  config = benchmark.configure('two_digit_capsnet', image_size=40)
-  assert benchmark.image_shape(config) == (40, 40, 1)
-  config = benchmark.configure('capsnet', image_size=40,
+  assert harness.image_shape(config) == (48, 48, 2)  # cropped to 32 in-step
+  config = harness.configure('two_digit_capsnet', image_size=40)
+  assert harness.image_shape(config) == (40, 40, 1)
+  config = harness.configure('capsnet', image_size=40,
                                options={'num_iterations': 1})
-  assert benchmark.image_shape(config) == (40, 40, 1)
+  assert harness.image_shape(config) == (40, 40, 1)
   assert config.model_options.num_iterations == 1
   with pytest.raises(ValueError, match='neither a registry name'):
-    benchmark.resolve_config('no_such_model')
+    harness.resolve_config('no_such_model')
   with pytest.raises(ValueError, match='KEY:V1'):
-    benchmark.parse_sweep('batch_size')
-  assert benchmark.parse_sweep('batch_size:8,16') == ('batch_size', [8, 16])
-  assert benchmark.parse_options(['remat=True', 'votes_dtype=bfloat16']) == {
+    harness.parse_sweep('batch_size')
+  assert harness.parse_sweep('batch_size:8,16') == ('batch_size', [8, 16])
+  assert harness.parse_options(['remat=True', 'votes_dtype=bfloat16']) == {
       'remat': True, 'votes_dtype': 'bfloat16'}
 
 
@@ -205,7 +206,7 @@ def test_roofline_and_device_table():
 
 
 def _xla_flops(fn, *args):
-  return benchmark.xla_cost(jax.jit(fn).lower(*args).compile())['flops']
+  return harness.xla_cost(jax.jit(fn).lower(*args).compile())['flops']
 
 
 # XLA's count differs from the analytical one by design: it constant-folds the
@@ -259,7 +260,7 @@ def test_time_modes_alternates_and_reports_a_failed_mode():
       return 0.0
     return step
 
-  results = benchmark.time_modes(
+  results = harness.time_modes(
       {'capsjax_float32': call('a'), 'torch_eager_float32': call('b'),
        'torch_compile_float32': call('c', fail=True)},
       rounds=2, steps=2, warmup=1, batch=4,
@@ -276,7 +277,7 @@ def test_time_modes_alternates_and_reports_a_failed_mode():
     _positive_finite(results[name], ('step_s', 'images_per_s'))
   # An unguarded mode's failure is raised.
   with pytest.raises(RuntimeError, match='no C'):
-    benchmark.time_modes({'capsjax_float32': call('x', fail=True)}, rounds=1,
+    harness.time_modes({'capsjax_float32': call('x', fail=True)}, rounds=1,
                          steps=1, warmup=1, batch=4)
 
 
@@ -284,7 +285,7 @@ def test_mode_ratios_best_first_then_each_against_each():
   def ok(ips):
     return {'status': 'ok', 'images_per_s': ips}
 
-  ratios = benchmark.mode_ratios({
+  ratios = harness.mode_ratios({
       'capsjax_float32': ok(100.0), 'capsjax_bfloat16': ok(300.0),
       'torch_eager_float32': ok(50.0), 'torch_compile_bfloat16': ok(200.0),
       'torch_compile_float32': {'status': 'failed: x', 'images_per_s': None}})
@@ -296,13 +297,13 @@ def test_mode_ratios_best_first_then_each_against_each():
                           'torch_compile_bfloat16': 0.5},
       'capsjax_bfloat16': {'torch_eager_float32': 6.0,
                            'torch_compile_bfloat16': 1.5}}
-  none = benchmark.mode_ratios({'capsjax_float32': ok(1.0),
+  none = harness.mode_ratios({'capsjax_float32': ok(1.0),
                                 'torch_eager_float32': {'status': 'failed'}})
   assert none['best_torch_mode'] is None and none['best_ratio'] is None
   with pytest.raises(ValueError, match='--torch_modes'):
-    benchmark.check_modes(['eager_float16'], ['float32'])
+    harness.check_modes(['eager_float16'], ['float32'])
   with pytest.raises(ValueError, match='--compare_dtypes'):
-    benchmark.check_modes(['eager_float32'], ['float16'])
+    harness.check_modes(['eager_float32'], ['float16'])
 
 
 def test_compare_torch_rows_with_every_mode(monkeypatch):
@@ -311,7 +312,7 @@ def test_compare_torch_rows_with_every_mode(monkeypatch):
   fail (compiling is slow): the row leads with the best ratio, reports
   every mode, and the failed one with its reason."""
   pytest.importorskip('torch')
-  real = benchmark.torch_train_step
+  real = harness.torch_train_step
 
   def torch_step(config, seed, mode='eager_float32'):
     if mode.startswith('compile'):
@@ -320,10 +321,10 @@ def test_compare_torch_rows_with_every_mode(monkeypatch):
       return fails
     return real(config, seed, mode)
 
-  monkeypatch.setattr(benchmark, 'torch_train_step', torch_step)
+  monkeypatch.setattr(harness, 'torch_train_step', torch_step)
   options = {'conv1_channels': 8, 'primary_types': 2,
              'decoder_widths': (16, 16)}
-  rows = benchmark.run(
+  rows = harness.run(
       model='capsnet', batch_size=4, steps=1, warmup=1, options=options,
       compare='torch', rounds=2, compare_dtypes=('float32', 'bfloat16'),
       torch_modes=('eager_float32', 'eager_bfloat16', 'compile_bfloat16'),
@@ -351,7 +352,7 @@ def test_compare_torch_rows_with_every_mode(monkeypatch):
   # The eager float32 fields of earlier rows stay.
   _positive_finite(row, ('torch_train_images_per_s', 'train_ratio_vs_torch'))
   assert 'bfloat16' in row['conv_backend']
-  table = benchmark.markdown_tables(rows)
+  table = harness.markdown_tables(rows)
   assert '| capsjax best / PyTorch best |' in table
   assert 'PyTorch compile bfloat16 img/s' in table
   assert 'failed (see JSON)' in table
@@ -372,10 +373,10 @@ def test_torch_reference_runs_on_the_device_jax_computes_on(monkeypatch):
     return lambda: 0.0
 
   monkeypatch.setattr(torch_models, 'train_step_fn', train_step_fn)
-  config = benchmark.configure('capsnet_mnist:smoke', batch_size=2)
+  config = harness.configure('capsnet_mnist:smoke', batch_size=2)
   for backend, device in (('cpu', 'cpu'), ('gpu', 'cuda')):
     monkeypatch.setattr(jax, 'default_backend', lambda b=backend: b)
-    benchmark.torch_train_step(config, 0, 'eager_float32')
+    harness.torch_train_step(config, 0, 'eager_float32')
     assert seen['device'] == device
   monkeypatch.undo()
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks import harness
 from capsjax import data as data_lib
 from capsjax import evaluators
 from capsjax import models
@@ -19,7 +20,6 @@ from capsjax import training
 from capsjax.evaluators import ensemble
 from capsjax.training import state as state_lib
 from capsjax.training import vector_capsules
-from experiments import benchmark
 from experiments import reproduce
 from experiments.configs import capsnet_cifar10
 from experiments.configs import capsnet_mnist
@@ -114,7 +114,7 @@ def test_benchmark_feeds_the_stored_image_sizes():
   for name, shape in (('capsnet_cifar10', (32, 32, 3)),
                       ('capsnet_svhn', (32, 32, 3)),
                       ('capsnet_smallnorb', (48, 48, 2))):
-    assert benchmark.image_shape(benchmark.resolve_config(name)) == shape
+    assert harness.image_shape(harness.resolve_config(name)) == shape
 
 
 # ----------------------------------------------------------------------------

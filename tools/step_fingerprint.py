@@ -5,7 +5,7 @@ compiles to the same program (and so cannot change speed or numerics).
 
 Run it in two checkouts (``PYTHONPATH`` set to each) and compare the lines.
 The fingerprint hashes XLA's optimised HLO of the jitted train step (batch
-8, float32, as ``experiments.benchmark`` builds it) after removing what
+8, float32, as ``benchmarks.harness`` builds it) after removing what
 names the source rather than the computation: the debug sections (file
 names, stack frames), metadata and instruction numbering; the instructions
 are sorted, so the same multiset of operations, shapes, layouts, fusions and
@@ -20,7 +20,7 @@ import sys
 
 import jax
 
-from experiments import benchmark
+from benchmarks import harness
 
 _DEBUG_SECTIONS = ('FileNames', 'FunctionNames', 'FileLocations',
                    'StackFrames')
@@ -47,8 +47,8 @@ def normalized_lines(hlo_text: str) -> list[str]:
 
 def fingerprint(spec: str, batch: int = 8) -> tuple[str, int]:
   """(hash, number of instructions) of ``spec``'s compiled train step."""
-  step, example = benchmark.train_step_and_inputs(
-      benchmark.configure(spec, batch_size=batch))
+  step, example = harness.train_step_and_inputs(
+      harness.configure(spec, batch_size=batch))
   compiled = jax.jit(step).lower(*example).compile()
   lines = normalized_lines(compiled.as_text())
   return hashlib.sha256('\n'.join(lines).encode()).hexdigest()[:16], len(lines)
