@@ -32,13 +32,13 @@ from capsjax.data.images import OwnImages
 from capsjax.data.images import read_cached
 from capsjax.data.images import read_images
 from capsjax.data.images import stratified_split
-from capsjax.data.mnist import load_dataset
 from capsjax.data.multimnist import load_multimnist
 from capsjax.data.multimnist import multimnist_batch
 from capsjax.data.multimnist import multimnist_pairs
 from capsjax.data.multimnist import multimnist_test_set
 from capsjax.data.multimnist import pack_pairs
 from capsjax.data.multimnist import unpack_pairs
+from capsjax.data.registry import load_dataset
 from capsjax.data.smallnorb import combine_crop_activations
 from capsjax.data.smallnorb import read_norb_matrix
 from capsjax.data.smallnorb import smallnorb_distort

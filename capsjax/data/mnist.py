@@ -1,4 +1,4 @@
-"""MNIST and Fashion-MNIST from the original IDX files; ``load_dataset``.
+"""MNIST and Fashion-MNIST from the original IDX files.
 
 Each dataset is the four files ``train-images-idx3-ubyte``,
 ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
@@ -13,9 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from capsjax.data import cifar10
-from capsjax.data import smallnorb
-from capsjax.data import svhn
 from capsjax.data.idx import Dataset
 from capsjax.data.idx import PathLike
 from capsjax.data.idx import Split
@@ -37,7 +34,6 @@ FILES = {'train_images': 'train-images-idx3-ubyte',
          'train_labels': 'train-labels-idx1-ubyte',
          'test_images': 't10k-images-idx3-ubyte',
          'test_labels': 't10k-labels-idx1-ubyte'}
-DATASETS = ('mnist', 'fashion_mnist', 'smallnorb', 'cifar10', 'svhn')
 SOURCES = ('auto', 'local', 'tfds')
 
 
@@ -119,54 +115,3 @@ def load_mnist(name: str = 'mnist', *, data_dir: PathLike | None = None,
       train, test = load_tfds_supervised(name)
   train, validation = carve_validation(*train, validation_size)
   return Dataset(train, validation, test, NUM_CLASSES, name)
-
-
-# Names (and the TFDS names) of the colour datasets -> their loaders.
-_COLOUR_LOADERS = {'cifar10': cifar10.load_cifar10,
-                   'cifar_10': cifar10.load_cifar10,
-                   'svhn': svhn.load_svhn, 'svhn_cropped': svhn.load_svhn}
-
-
-def load_dataset(name: str, *, data_dir: PathLike | None = None,
-                 validation_size: int = 5000, source: str = 'auto',
-                 **options) -> Dataset:
-  """Loads a dataset by name into host memory.
-
-  Files are looked for in: ``data_dir`` if given (only there: the directory or
-  its ``mnist/``, ``fashion-mnist/``, ``smallnorb/``, ``cifar10/`` (or
-  ``cifar-10-batches-bin/``), ``svhn/`` subdirectory); else
-  ``$CAPSJAX_DATA_DIR`` (same layout); else ``../shared/data/<name>``
-  relative to the working directory and to the repository root. When none
-  holds the files and ``source='auto'``, TensorFlow Datasets is used if
-  installed (``pip install capsjax[tfds]``); otherwise FileNotFoundError
-  lists every place looked at.
-
-  Args:
-    name: 'mnist', 'fashion_mnist', 'smallnorb', 'cifar10' (the binary or
-      python release; ``cifar10.load_cifar10``) or 'svhn' (the cropped
-      digits' .mat files; ``svhn.load_svhn``).
-    data_dir: directory with the files (``--config.data_dir``).
-    validation_size: the last ``validation_size`` training examples become
-      the validation split (0: empty validation split).
-    source: 'auto' (files, then TFDS), 'local' (files only) or 'tfds'.
-    **options: smallnorb only: ``stereo=True``, ``viewpoint_split=None``,
-      ``downsample='mean'`` (see ``smallnorb.load_smallnorb``).
-
-  Returns:
-    ``Dataset``: uint8 ``[N, H, W, C]`` images (28x28x1; smallnorb 48x48x2;
-    cifar10 and svhn 32x32x3), int32 labels.
-  """
-  key = name.lower().replace('-', '_')
-  if key == 'smallnorb':
-    return smallnorb.load_smallnorb(data_dir=data_dir,
-                                    validation_size=validation_size,
-                                    source=source, **options)
-  if key not in SUBDIRS and key not in _COLOUR_LOADERS:
-    raise ValueError(f'unknown dataset {name!r}; one of {DATASETS}')
-  if options:
-    raise TypeError(f'{name!r} takes no options, got {sorted(options)}')
-  if key in _COLOUR_LOADERS:
-    return _COLOUR_LOADERS[key](data_dir=data_dir,
-                                validation_size=validation_size, source=source)
-  return load_mnist(key, data_dir=data_dir, validation_size=validation_size,
-                    source=source)

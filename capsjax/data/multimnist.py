@@ -28,7 +28,7 @@ from capsjax.data.augment import place
 from capsjax.data.augment import to_float
 from capsjax.data.idx import Dataset
 from capsjax.data.idx import Split
-from capsjax.data.mnist import load_dataset
+from capsjax.data.mnist import load_mnist
 
 CANVAS_SIZE = 36
 MAX_SHIFT = 4
@@ -191,8 +191,8 @@ def load_multimnist(*, data_dir: str | None, validation_size: int,
   ``seed``); test: ``test_pairs`` pairs of test-split digits (key ``seed +
   1``), the same for every training seed.
   """
-  mnist = load_dataset('mnist', data_dir=data_dir,
-                       validation_size=validation_size)
+  mnist = load_mnist('mnist', data_dir=data_dir,
+                     validation_size=validation_size)
   return Dataset(
       mnist.train,
       multimnist_pairs(mnist.validation, validation_pairs, seed, max_shift),
