@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from capsjax import attention_routing
 from capsjax import em_kernel
 from capsjax import routing
 from capsjax import votes as votes_lib
@@ -113,6 +114,25 @@ def glorot_uniform(key, shape, dtype=jnp.float32):
   receptive = math.prod(shape[:-2])
   limit = math.sqrt(6.0 / (receptive * (shape[-2] + shape[-1])))
   return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+
+def he_normal(key, shape, dtype=jnp.float32):
+  """Keras' he_normal: variance 2 / fan_in, a normal cut at 2 std.
+
+  fan_in is the product of every axis but the last: K*K*Cin for a conv,
+  Din for a dense layer, I*O*Din for capsule transforms [I, O, Din, Dout]
+  (Keras' ``_compute_fans`` gives the same for all three).
+  """
+  std = math.sqrt(2.0 / math.prod(shape[:-1])) / _TRUNCATED_STD
+  return truncated_normal_init(std)(key, shape, dtype)
+
+
+def glorot_normal(key, shape, dtype=jnp.float32):
+  """Keras' glorot_normal: variance 2 / (fan_in + fan_out), a normal cut at
+  2 std (fans as in ``glorot_uniform``)."""
+  receptive = math.prod(shape[:-2])
+  std = math.sqrt(2.0 / (receptive * (shape[-2] + shape[-1]))) / _TRUNCATED_STD
+  return truncated_normal_init(std)(key, shape, dtype)
 
 
 KERNEL_INITS = {'lecun_normal': lecun_normal, 'glorot_uniform': glorot_uniform}
@@ -394,6 +414,99 @@ class SharedCapsules(nnx.Module):
         leaky=self.leaky, squash_constant=self.squash_constant,
         bias=None if self.bias is None else self.bias[...],
         normalize_agreement=self.normalize_agreement)
+
+
+# ----------------------------------------------------------------------------
+# Efficient-CapsNet (Mazzia, Salvetti, Chiaberge 2021; the authors' code
+# EscVM/Efficient-CapsNet, utils/layers.py).
+
+
+def depthwise_conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
+                     padding: str = 'VALID') -> jax.Array:
+  """Depthwise convolution, NHWC: channel c convolved with its own kernel.
+
+  Keras' ``Conv2D(C, K, groups=C)`` on C channels (one output channel per
+  input channel): out[b, i, j, c] = sum_{u, v} x[b, s i + u, s j + v, c]
+  kernel[u, v, 0, c].
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [K, K, 1, C].
+  Returns:
+    [B, H', W', C], H' = (H - K) // stride + 1 with 'VALID' padding.
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  if kernel.ndim != 4 or kernel.shape[2] != 1 or kernel.shape[3] != x.shape[-1]:
+    raise ValueError(f'depthwise_conv2d: kernel must be [K, K, 1, C] with C = '
+                     f'{x.shape[-1]} (the input channels), got {kernel.shape}.')
+  return jax.lax.conv_general_dilated(
+      x, kernel, (stride, stride), padding,
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+      feature_group_count=x.shape[-1])
+
+
+class DepthwisePrimaryCapsules(nnx.Module):
+  """Efficient-CapsNet's primary capsules (the authors' ``PrimaryCaps``):
+  a depthwise convolution with bias, its channels grouped into capsules of
+  ``dim``, squashed by ``attention_routing.efficient_squash``.
+
+  [B, H, W, in_features] -> [B, H'*W'*in_features/dim, dim], capsules
+  ordered (row, column, group of ``dim`` channels). On MNIST the 9x9 kernel
+  covers the whole 9x9 grid: 16 capsules of 8 from 128 channels. The
+  kernel is Keras' default (glorot uniform, fans K*K and K*K*C), the bias
+  zeros, as the authors' layer leaves them.
+  """
+
+  def __init__(self, in_features: int, dim: int = 8, kernel_size: int = 9,
+               stride: int = 1, *, rngs: nnx.Rngs):
+    for name, value in (('in_features', in_features), ('dim', dim),
+                        ('kernel_size', kernel_size), ('stride', stride)):
+      _check_positive_int(name, value)
+    if in_features % dim:
+      raise ValueError(f'in_features ({in_features}) must be a multiple of '
+                       f'the capsule dim ({dim}).')
+    self.dim, self.kernel_size, self.stride = dim, kernel_size, stride
+    self.kernel = nnx.Param(glorot_uniform(
+        rngs.params(), (kernel_size, kernel_size, 1, in_features)))
+    self.bias = nnx.Param(jnp.zeros((in_features,), jnp.float32))
+
+  def num_capsules(self, height: int, width: int) -> int:
+    """Number of output capsules for an H x W input."""
+    rows, cols = (votes_lib.output_size(n, self.kernel_size, self.stride)
+                  for n in (height, width))
+    return rows * cols * self.kernel.shape[-1] // self.dim
+
+  def __call__(self, x: ArrayLike) -> jax.Array:
+    y = add_bias(depthwise_conv2d(x, self.kernel[...], self.stride),
+                 self.bias[...])
+    y = y.reshape(y.shape[0], -1, self.dim)  # [B, H'*W'*C/dim, dim]
+    return attention_routing.efficient_squash(y)
+
+
+class SelfAttentionCapsules(nnx.Module):
+  """Efficient-CapsNet's fully connected capsules (the authors' ``FCCaps``):
+  a vote W_io u_i per (input, output) pair, routed by
+  ``attention_routing.self_attention_routing`` with learned priors.
+
+  Transforms [I, O, Din, Dout] from Keras' he_normal (the authors' W [O, I,
+  Din, Dout] has the same fans), priors B [I, O] zeros (their b [O, I, 1]).
+
+  Input [B, I, Din] -> (outputs [B, O, Dout], coupling [B, I, O]).
+  """
+
+  def __init__(self, in_caps: int, in_dim: int, out_caps: int, out_dim: int,
+               *, rngs: nnx.Rngs):
+    for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
+                        ('out_caps', out_caps), ('out_dim', out_dim)):
+      _check_positive_int(name, value)
+    self.weights = nnx.Param(he_normal(rngs.params(),
+                                       (in_caps, out_caps, in_dim, out_dim)))
+    self.log_priors = nnx.Param(jnp.zeros((in_caps, out_caps), jnp.float32))
+
+  def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    votes = votes_lib.vector_votes(inputs, self.weights[...])
+    return attention_routing.self_attention_routing(votes,
+                                                    self.log_priors[...])
 
 
 # ----------------------------------------------------------------------------

@@ -670,10 +670,12 @@ class EfficientCapsNet(nnx.Module):
   Initialisation as theirs: Keras' he_normal for the convolutions, the
   capsule transforms and the decoder's hidden layers, glorot normal for its
   output layer, glorot uniform for the depthwise kernel, zero biases and
-  priors; batch normalisation as Keras' (momentum 0.99, epsilon 1e-3).
-  With ``train`` it normalises by the batch's statistics and updates its
-  running averages (``nnx.BatchStat``, which the trainers carry as the
-  model state); otherwise it normalises by those averages.
+  priors; batch normalisation as Keras' (epsilon 1e-3, running averages
+  at ``batch_norm_momentum`` 0.99). With ``train`` it normalises by the
+  batch's statistics and updates its running averages (``nnx.BatchStat``,
+  which the trainers carry as the model state); otherwise it normalises by
+  those averages, which at 0.99 keep 13% of their initial values after
+  200 steps (a short run evaluates better at 0.9).
 
   Other input sizes keep the layers: the depthwise kernel leaves an h x w
   grid and h*w*C/8 primary capsules (the authors instead choose a kernel
@@ -694,16 +696,20 @@ class EfficientCapsNet(nnx.Module):
   FAMILY: ClassVar[str] = 'capsnet'
   CONV_KERNELS: ClassVar[tuple[int, ...]] = (5, 3, 3, 3)
   CONV_STRIDES: ClassVar[tuple[int, ...]] = (1, 1, 1, 2)
-  # Keras' BatchNormalization defaults, which the authors keep.
-  BATCH_NORM = {'momentum': 0.99, 'epsilon': 1e-3}
+  # Keras' BatchNormalization epsilon, which the authors keep.
+  BATCH_NORM_EPSILON: ClassVar[float] = 1e-3
 
   def __init__(self, *, input_shape: Sequence[int] = (28, 28, 1),
                num_classes: int = 10,
                conv_channels: Sequence[int] = (32, 64, 64, 128),
                primary_dim: int = 8, primary_kernel: int = 9,
                digit_dim: int = 16, reconstruction: bool = True,
-               decoder_widths: Sequence[int] = (512, 1024), rngs: nnx.Rngs):
+               decoder_widths: Sequence[int] = (512, 1024),
+               batch_norm_momentum: float = 0.99, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
+    if not 0.0 <= batch_norm_momentum < 1.0:
+      raise ValueError(f'batch_norm_momentum must be in [0, 1), got '
+                       f'{batch_norm_momentum!r}.')
     for name, value in (('num_classes', num_classes),
                         ('primary_dim', primary_dim),
                         ('primary_kernel', primary_kernel),
@@ -722,8 +728,10 @@ class EfficientCapsNet(nnx.Module):
                               self.CONV_STRIDES, strict=True)])
     # Keras' BatchNormalization: two-pass batch variance, as TF's moments.
     self.norms = nnx.List([
-        nnx.BatchNorm(c, use_fast_variance=False, rngs=rngs,
-                      **self.BATCH_NORM) for c in conv_channels])
+        nnx.BatchNorm(c, momentum=batch_norm_momentum,
+                      epsilon=self.BATCH_NORM_EPSILON,
+                      use_fast_variance=False, rngs=rngs)
+        for c in conv_channels])
     for conv in self.convs:
       height, width = conv.output_size(height), conv.output_size(width)
     self.primary = layers.DepthwisePrimaryCapsules(

@@ -47,10 +47,11 @@ def _loss_and_grads(model, images, labels, loss_key, train=True):
 
 def test_registry_lists_every_model_with_a_family():
   names = models.list_models()
-  assert names == ('baseline_cnn', 'capsnet', 'matrix_capsnet',
-                   'two_digit_baseline', 'two_digit_capsnet')
+  assert names == ('baseline_cnn', 'capsnet', 'efficient_capsnet',
+                   'matrix_capsnet', 'two_digit_baseline', 'two_digit_capsnet')
   assert {name: families.of(name).name for name in names} == {
-      'baseline_cnn': 'cnn', 'capsnet': 'capsnet', 'matrix_capsnet': 'em',
+      'baseline_cnn': 'cnn', 'capsnet': 'capsnet',
+      'efficient_capsnet': 'capsnet', 'matrix_capsnet': 'em',
       'two_digit_baseline': 'two_digit', 'two_digit_capsnet': 'two_digit'}
   assert {families.of(name).trainer.__name__ for name in names} == {
       'capsjax.training.vector_capsules', 'capsjax.training.matrix_capsules'}
@@ -107,6 +108,8 @@ REGISTRY_INPUTS = {
     'capsnet': (SMALL_CAPSNET, (28, 28), 1),
     'baseline_cnn': ({'conv_channels': (4, 4, 4), 'fc_widths': (8, 8)},
                      (28, 28), 1),
+    'efficient_capsnet': ({'conv_channels': (4, 4, 4, 8), 'primary_dim': 4,
+                           'decoder_widths': (8, 8)}, (28, 28), 1),
     'matrix_capsnet': (SMALL_MATRIX, (32, 32), 1),
     'two_digit_baseline': (SMALL_TRUNK, None, 1),
     'two_digit_capsnet': (SMALL_TRUNK, None, 1),

@@ -12,6 +12,7 @@ from capsjax.data.affnist import affnist_files
 from capsjax.data.affnist import load_affnist
 from capsjax.data.augment import center_crop
 from capsjax.data.augment import dataset_on_canvas
+from capsjax.data.augment import efficient_capsnet_augment
 from capsjax.data.augment import on_canvas
 from capsjax.data.augment import place_on_canvas
 from capsjax.data.augment import random_shift
@@ -68,6 +69,7 @@ __all__ = (
     'cifar10_train_preprocess',
     'combine_crop_activations',
     'dataset_on_canvas',
+    'efficient_capsnet_augment',
     'digit_pairs',
     'load_affnist',
     'load_dataset',

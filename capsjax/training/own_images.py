@@ -237,7 +237,8 @@ def capsule_counts(model: nnx.Module, input_shape: Sequence[int]) -> str:
   if 'coupling' not in outputs:
     return 'no capsules'
   _, num_in, num_out = outputs['coupling'].shape
-  kind = ('primary capsules' if isinstance(model, models.CapsNet) else
+  kind = ('primary capsules' if isinstance(
+      model, models.CapsNet | models.EfficientCapsNet) else
           'input capsules (trunk positions)')
   dim = outputs['capsules'].shape[-1]
   return (f'{num_in:,} {kind}, {num_in * num_out:,} votes ({dim}-D) per '
@@ -368,7 +369,9 @@ def what_fits(config: ml_collections.ConfigDict, size: ModelSize,
   advice.append(f'--config.batch_size ({batch * size.num_devices} fits)'
                 if 0 < batch < config.batch_size else '--config.batch_size')
   types = {'capsnet': 'primary_types', 'matrix_capsnet': 'B, C, D',
-           'baseline_cnn': 'conv_channels'}.get(config.model, 'trunk_widths')
+           'baseline_cnn': 'conv_channels',
+           'efficient_capsnet': 'conv_channels'}.get(config.model,
+                                                     'trunk_widths')
   advice.append(f'the capsule types or widths (--config.model_options.'
                 f'{types})')
   return advice

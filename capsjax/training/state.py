@@ -36,12 +36,16 @@ class TrainState(NamedTuple):
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """lr * decay_rate^(step / decay_steps), as tf.train.exponential_decay."""
+  """lr * decay_rate^(step / decay_steps), as tf.train.exponential_decay;
+  with ``config.lr_staircase`` the exponent is floor(step / decay_steps)
+  (a decay per epoch, as Keras' LearningRateScheduler), and never below
+  ``config.min_learning_rate`` (0: no floor)."""
   return optax.exponential_decay(
       init_value=config.learning_rate,
       transition_steps=config.lr_decay_steps,
       decay_rate=config.lr_decay_rate,
-      staircase=False)
+      staircase=config.get('lr_staircase', False),
+      end_value=config.get('min_learning_rate') or None)
 
 
 def make_optimizer(config: ml_collections.ConfigDict

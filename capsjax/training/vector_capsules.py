@@ -55,10 +55,17 @@ def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
   ``config.augment_order`` and ``config.pixel_max``; evaluation the central
   crop, standardised).
   Otherwise the digits' input: pixels in [0, 1], shifted by up to
-  ``config.max_shift`` pixels in training (``state.digit_inputs``).
+  ``config.max_shift`` pixels in training (``state.digit_inputs``), then
+  with ``config.augment = 'efficient_capsnet'`` Efficient-CapsNet's
+  rotation, shift within the margins, squeeze and erased patch
+  (``data.efficient_capsnet_augment``).
   """
   if config.dataset not in ('cifar10', 'smallnorb'):
-    return state_lib.digit_inputs(images, key, config.max_shift)
+    images = state_lib.digit_inputs(images, key, config.max_shift)
+    if key is not None and config.get('augment') == 'efficient_capsnet':
+      images = data_lib.efficient_capsnet_augment(
+          jax.random.fold_in(key, 2), images)
+    return images
   # Crops of the model's input size: the config states it once.
   crop = config.model_options.input_shape[0]
   if config.dataset == 'cifar10':

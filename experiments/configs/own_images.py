@@ -23,6 +23,12 @@ Variants (joined with commas, e.g. :em,smoke):
            (any image size, the same parameters).
   em       matrix capsules with EM routing (Hinton et al. 2018), the 68K
            model (A=64, B=8, C=D=16), capsjax's routing options.
+  efficient  Efficient-CapsNet (Mazzia et al. 2021): four convolutions with
+           batch normalisation, depthwise primary capsules, self-attention
+           routing, its decoder; the authors' Adam (learning rate 5e-4,
+           epsilon 1e-7) and loss (efficient_capsnet_mnist.py), the
+           2-pixel shifts (their MNIST augmentation assumes digits on
+           black). Images of at least 28x28.
   smoke    a small model of the family that trains on a 2-core CPU in a
            few minutes (600 steps, stopped after 150 s of training).
 Any key can be overridden: ``--config.image_size=48``.
@@ -31,7 +37,7 @@ Any key can be overridden: ``--config.image_size=48``.
 from experiments.configs import common
 from experiments.configs import matrix_capsnet_mnist
 
-FAMILIES = ('capsnet', 'su', 'em')
+FAMILIES = ('capsnet', 'su', 'em', 'efficient')
 
 
 def _capsnet(config):
@@ -69,6 +75,15 @@ def _em(config):
   config.batch_size = 32
 
 
+def _efficient(config):
+  config.model = 'efficient_capsnet'
+  config.model_options.reconstruction = True
+  config.loss_form = 'text'
+  config.reconstruction_weight = 0.0005
+  config.learning_rate = 5e-4
+  config.adam_epsilon = 1e-7
+
+
 def _smoke(config, family):
   """A small model of ``family`` for a few minutes on a CPU; the CapsNet and
   Su's model with a higher, faster decaying learning rate for so short a
@@ -86,6 +101,15 @@ def _smoke(config, family):
     config.model_options.conv1_channels = 32
     config.model_options.primary_types = 8
     config.model_options.decoder_widths = (64, 128)
+    config.batch_size = 64
+    config.learning_rate = 2e-3
+    config.lr_decay_steps = 100
+    config.lr_decay_rate = 0.85
+  elif family == 'efficient':
+    # The whole model (1.6M parameters with its decoder at 32x32x3);
+    # running averages that follow a short run (efficient_capsnet_mnist.py's
+    # smoke).
+    config.model_options.batch_norm_momentum = 0.9
     config.batch_size = 64
     config.learning_rate = 2e-3
     config.lr_decay_steps = 100
@@ -170,8 +194,9 @@ def get_config(variant: str = ''):
   if len(families) > 1:
     raise ValueError(f'own_images takes one family, got {families}.')
   family = families[0]
-  {'capsnet': _capsnet, 'su': _su, 'em': _em}[family](config)
-  if family in ('capsnet', 'em'):
+  {'capsnet': _capsnet, 'su': _su, 'em': _em,
+   'efficient': _efficient}[family](config)
+  if family in ('capsnet', 'em', 'efficient'):
     # Set from the data: (image_size, image_size, channels).
     config.model_options.input_shape = (0, 0, 0)
   else:
