@@ -245,7 +245,7 @@ def test_paper_suite_order_and_data_flags():
                        'two_digit_transfer', 'multimnist']
   # Section 7's other datasets last, each only with its directory.
   assert names[-3:] == ['capsnet_smallnorb', 'capsnet_svhn', 'capsnet_cifar10']
-  assert len(names) == len(set(names)) == 18
+  assert len(names) == len(set(names)) == 21
   commands = {e.name: _flags(reproduce.command(e, '/w', options))
               for e in experiments}
   # The first row is the official code's form; the text's form and a
@@ -253,7 +253,12 @@ def test_paper_suite_order_and_data_flags():
   for name, variant, seed in (('capsnet_mnist', '', None),
                               ('capsnet_mnist_text', ':text', None),
                               ('capsnet_mnist_seed1', '', '1'),
-                              ('capsnet_mnist_text_seed1', ':text', '1')):
+                              ('capsnet_mnist_text_seed1', ':text', '1'),
+                              ('capsnet_mnist_annealed', ':annealed', '0'),
+                              ('capsnet_mnist_annealed_seed1', ':annealed',
+                               '1'),
+                              ('capsnet_mnist_annealed_seed2', ':annealed',
+                               '2')):
     assert commands[name]['config'].endswith('capsnet_mnist.py' + variant)
     assert commands[name].get('config.seed') == seed
     assert commands[name]['config.data_dir'] == '/data'

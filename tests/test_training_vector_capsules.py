@@ -679,3 +679,21 @@ def test_config_help_gives_every_key_a_meaning(config_file):
     if line.split(' = ')[0].strip() == 'num_train_steps':
       assert line.endswith('# Training steps in all (a rerun with more '
                            'continues).'), line
+
+
+def test_annealed_variant_reaches_1e_6_at_the_last_step():
+  """capsnet_mnist.py:annealed: the official decay shape (x0.96 per period,
+  continuous) with the period that takes 1e-3 to about 1e-6 at the last
+  step, also for a num_train_steps set after the variant."""
+  from capsjax.training import state as state_lib
+  config = capsnet_mnist.get_config('annealed')
+  assert (config.learning_rate, config.lr_decay_rate) == (1e-3, 0.96)
+  for steps in (21_500, 5_000):
+    config.num_train_steps = steps
+    schedule = state_lib.learning_rate_schedule(config)
+    last = float(schedule(steps))
+    assert 0.8e-6 < last < 1.25e-6, (steps, last)
+    # The official shape: continuous, 0.96 per period.
+    period = config.lr_decay_steps
+    assert abs(float(schedule(period)) / 1e-3 - 0.96) < 1e-6
+    assert float(schedule(period // 2)) < 1e-3
