@@ -29,7 +29,6 @@ Shape legend: B the batch, K the classes, T = 2 digits per MultiMNIST image.
 from __future__ import annotations
 
 import abc
-import importlib
 import types
 from typing import Any
 from typing import ClassVar
@@ -87,9 +86,8 @@ class Family(abc.ABC):
   def trainer(self) -> types.ModuleType:
     """``training.vector_capsules`` or ``training.matrix_capsules``:
     ``steps_for`` (a run's train and eval steps), ``load_data``,
-    ``train_and_evaluate``. Imported when
-    asked: the trainers import the families."""
-    return importlib.import_module(f'capsjax.training.{self.trainer_name}')
+    ``train_and_evaluate``."""
+    return _trainers()[self.trainer_name]
 
   def class_logits(self, scores: jax.Array) -> jax.Array:
     """[B, K] logits: the scores themselves, or the log-odds of
@@ -297,7 +295,7 @@ class EMFamily(Family):
           total_steps=config.margin_steps)
     return self.class_loss(
         outputs[CLASS_SCORES], labels, loss=config.loss, margin=margin,
-        class_reduction=config.get('spread_class_reduction', 'sum')), {}
+        class_reduction=config.spread_class_reduction), {}
 
   def _attack_class_loss(self, scores, labels, spread_margin):
     return self.class_loss(scores, labels, margin=spread_margin)
@@ -306,13 +304,13 @@ class EMFamily(Family):
   def final_margin(config: ml_collections.ConfigDict) -> float:
     """The spread-loss margin a run in ``config`` ends its schedule with."""
     return float(losses.spread_loss_margin(
-        10**9, schedule=config.get('margin_schedule', 'authors'),
-        total_steps=config.get('margin_steps', 50_000)))
+        10**9, schedule=config.margin_schedule,
+        total_steps=config.margin_steps))
 
   def attack_options(self, config, kind):
     """The spread loss at the run's final margin; a run trained on
     cross-entropy is attacked with it."""
-    if kind == 'family' and config.get('loss', 'spread') == 'cross_entropy':
+    if kind == 'family' and config.loss == 'cross_entropy':
       kind = 'cross_entropy'
     return kind, self.final_margin(config)
 
@@ -344,6 +342,15 @@ def of(model: str | nnx.Module | type[Any]) -> Family:
     raise ValueError(f'{cls.__name__} declares no model family (FAMILY = '
                      f'{name!r}); one of {", ".join(names())}.')
   return _FAMILIES[name]
+
+
+def _trainers() -> dict[str, types.ModuleType]:
+  """Trainer name -> the module of ``capsjax.training`` it names. Imported
+  in here, when first asked, because the trainers import this module."""
+  from capsjax.training import matrix_capsules
+  from capsjax.training import vector_capsules
+  return {'matrix_capsules': matrix_capsules,
+          'vector_capsules': vector_capsules}
 
 
 __all__ = (

@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from capsjax.training.defaults import fill_defaults
 from capsjax.training.state import TrainState
 from capsjax.training.state import create_model
 from capsjax.training.state import init_train_state
@@ -700,13 +701,14 @@ def _first_difference(saved: list[Any], expected: list[Any]) -> str:
 
 
 def read_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a training run saved in ``workdir/config.json``."""
+  """The config a training run saved in ``workdir/config.json``, with the
+  keys that runs of older versions did not write at their defaults."""
   config_path = os.path.join(workdir, 'config.json')
   if not os.path.exists(config_path):
     raise FileNotFoundError(
         f'{config_path} not found: {workdir} is not a capsjax workdir.')
   with open(config_path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    return fill_defaults(ml_collections.ConfigDict(json.load(f)))
 
 
 def load_trained_state(workdir: str, which: str = 'selected'
@@ -726,7 +728,7 @@ def load_trained_state(workdir: str, which: str = 'selected'
                      f'{which!r}.')
   config = read_workdir_config(workdir)
   if which == 'selected':
-    which = 'best' if config.get('select_on_validation', True) else 'latest'
+    which = 'best' if config.select_on_validation else 'latest'
 
   try:
     model = create_model(config)

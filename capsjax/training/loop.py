@@ -29,6 +29,8 @@ from capsjax.training.checkpoints import CheckpointDamaged
 from capsjax.training.checkpoints import Checkpointer
 from capsjax.training.checkpoints import hold_workdir
 from capsjax.training.checkpoints import stop_signals
+from capsjax.training.defaults import fill_defaults
+from capsjax.training.defaults import with_defaults
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import BatchOrder
 from capsjax.training.sharding import all_agree
@@ -118,7 +120,9 @@ _POSITIVE_INT_KEYS = ('batch_size', 'eval_batch_size', 'num_train_steps',
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first key of ``config`` that ``fit``
   cannot use (model options are checked by ``models.create_model``,
-  ``config.evals`` by ``evaluators.check``)."""
+  ``config.evals`` by ``evaluators.check``). First adds the keys it lacks
+  (``defaults.fill_defaults``): the way into ``fit``."""
+  fill_defaults(config)
 
   def fail(key, requirement):
     raise ValueError(f'config.{key} must be {requirement}, got '
@@ -141,9 +145,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if key in config and (not is_int(config[key]) or config[key] < 0):
       fail(key, 'an int >= 0')
   for key in ('max_train_seconds', 'checkpoint_every_seconds'):
-    if config.get(key) and not config[key] > 0:
+    if config[key] and not config[key] > 0:
       fail(key, '> 0 (or 0: no limit)')
-  if config.get('center_crop'):
+  if config.center_crop:
     crop = config.center_crop
     shape = tuple(config.model_options.get('input_shape') or ())
     if not is_int(crop) or crop < 0 or shape[:2] != (crop, crop):
@@ -152,7 +156,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if 'canvas_size' in config and (not is_int(config.canvas_size) or
                                   config.canvas_size < 0):
     fail('canvas_size', 'an int >= 0 (0: no canvas)')
-  num_devices = config.get('num_devices') or 0
+  num_devices = config.num_devices or 0
   if num_devices and jax.process_count() > 1:
     fail('num_devices', '0 in a multi-process run (the mesh spans every '
          'device of every process)')
@@ -221,8 +225,10 @@ def config_changes(config: ml_collections.ConfigDict, workdir: str
       os.path.join(workdir, 'checkpoints'))):
     return '', ''
   with open(path) as f:
-    stored = metrics_lib.flat_config(json.load(f))
-  new = metrics_lib.flat_config(json.loads(config.to_json_best_effort()))
+    # Both with their defaults: a key an old run left out is not a change.
+    stored = metrics_lib.flat_config(with_defaults(json.load(f)))
+  new = metrics_lib.flat_config(
+      with_defaults(json.loads(config.to_json_best_effort())))
   changed = sorted(k for k in stored.keys() | new.keys()
                    if stored.get(k) != new.get(k))
   top = lambda key: key.split('.')[0]  # noqa: E731
@@ -281,10 +287,10 @@ class _Estimate:
     device = jax.devices()[0]
     where = ('this CPU' if device.platform == 'cpu' else
              f'this {getattr(device, "device_kind", device.platform)}')
-    every_s = self._config.get('checkpoint_every_seconds') or 0
+    every_s = self._config.checkpoint_every_seconds or 0
     saves = (f'a checkpoint every {_hours(every_s)} and at Ctrl-C'
              if every_s else 'a checkpoint at Ctrl-C')
-    alternative = self._config.get('shorter_run') or ''
+    alternative = self._config.shorter_run or ''
     return (f'The remaining {self._config.num_train_steps - step} steps take '
             f'about {_hours(remaining)} at {images_per_s:.0f} img/s on '
             f'{where}; {saves}, and a rerun resumes.'
@@ -315,7 +321,7 @@ class _Run:
     if warned:
       self.say(f'Warning: resuming with values that differ from the stored '
                f'config (the run is then no longer one protocol): {warned}.')
-    self.mesh = make_mesh(config.get('num_devices') or None)
+    self.mesh = make_mesh(config.num_devices or None)
     check_batch_size(config.batch_size, self.mesh)
     self.graphdef, state = init_train_state(create_model(config),
                                             make_optimizer(config))
@@ -337,7 +343,7 @@ class _Run:
     if self.chief:
       metrics_lib.save_config(config, workdir)
     self.step = int(self.state.step)
-    self.selecting = config.get('select_on_validation', True)
+    self.selecting = config.select_on_validation
     self.best_record_path = os.path.join(workdir, 'best_validation.json')
     self.best_record = (json.load(open(self.best_record_path))
                         if os.path.exists(self.best_record_path) else None)
@@ -550,8 +556,8 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
             f'trained; the selected model is tested again.')
   # The code that trains: taken now, as the tree may change during a run.
   environment = metrics_lib.environment()
-  time_limit = config.get('max_train_seconds') or None
-  save_every_s = config.get('checkpoint_every_seconds') or None
+  time_limit = config.max_train_seconds or None
+  save_every_s = config.checkpoint_every_seconds or None
   clock, compile_s = _TrainClock(), None
   due = lambda every: run.step % every == 0  # noqa: E731
   # A stop signal and the wall-time checkpoint are checked at every step by
@@ -684,7 +690,7 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
       'train_wall_s_this_run': clock.seconds,
       'stopped_by_time_limit': (run.step < config.num_train_steps and
                                 not stopped_early),
-      'max_train_seconds': config.get('max_train_seconds') or 0,
+      'max_train_seconds': config.max_train_seconds or 0,
       'conv_backend': conv.backend(),
       # Which native code ran: the layers' routing choices, and the kernel's
       # build (its instruction set) or why it is not there.

@@ -30,6 +30,7 @@ from capsjax import data as data_lib
 from capsjax import families
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from capsjax.training.defaults import fill_defaults
 
 
 def l2_penalty(params, *, form: str = 'sum') -> jax.Array:
@@ -84,7 +85,7 @@ def make_optimizer(config: ml_collections.ConfigDict
   (capsjax; the paper mentions none).
   """
   optimizer = state_lib.make_optimizer(config)
-  clip = config.get('grad_clip', 0.0)
+  clip = config.grad_clip  # filled by state_lib.make_optimizer
   if clip < 0:
     raise ValueError(f'config.grad_clip must be >= 0, got {clip}.')
   return clip_gradients(optimizer, clip) if clip else optimizer
@@ -97,15 +98,16 @@ def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
   smallNORB: ``config.augment_order`` and ``config.pixel_max`` (see
   ``data.smallnorb_distort``); evaluation is the centre crop.
   """
+  fill_defaults(config)
   if config.dataset == 'smallnorb':
-    pixel_max = config.get('pixel_max', 1.0)
+    pixel_max = config.pixel_max
     if key is None:
       return data_lib.smallnorb_eval_preprocess(images, pixel_max=pixel_max)
     return data_lib.smallnorb_train_preprocess(
-        key, images, order=config.get('augment_order', 'crop_first'),
+        key, images, order=config.augment_order,
         pixel_max=pixel_max)
   return state_lib.digit_inputs(images, key, config.max_shift,
-                                config.get('center_crop', 0))
+                                config.center_crop)
 
 
 TEST_CROPS = ('centre', 'released13')
@@ -113,7 +115,7 @@ TEST_CROPS = ('centre', 'released13')
 
 def eval_crop_mode(config: ml_collections.ConfigDict) -> str:
   """``config.test_crops``: 'centre' (one crop) or 'released13' (smallNORB)."""
-  crops = config.get('test_crops', 'centre')
+  crops = fill_defaults(config).test_crops
   if crops not in TEST_CROPS:
     raise ValueError(f'config.test_crops must be one of {TEST_CROPS}, got '
                      f'{crops!r}.')
@@ -139,7 +141,7 @@ def make_steps(config: ml_collections.ConfigDict,
       loss = jnp.mean(family.loss(outputs, labels, config,
                                   step=state.step)[0])
       total = loss + config.weight_decay * l2_penalty(
-          nnx.state(model, nnx.Param), form=config.get('l2_form', 'sum'))
+          nnx.state(model, nnx.Param), form=config.l2_form)
       correct = jnp.argmax(activations, -1) == labels
       return total, {'class_loss': loss, 'accuracy': jnp.mean(correct)}
 
@@ -157,7 +159,7 @@ def make_steps(config: ml_collections.ConfigDict,
       # The released eval_once: 13 crops per image, each one's activations
       # normalised over the classes, summed. One crop's batch at a time.
       views = data_lib.smallnorb_multicrop(
-          images, pattern='released', pixel_max=config.get('pixel_max', 1.0))
+          images, pattern='released', pixel_max=config.pixel_max)
       per_crop = jax.lax.map(
           lambda x: activations_of(graphdef, params, model_state, x), views)
       # Entry 0 is the centre crop: its loss stays comparable with 'centre'.
@@ -180,11 +182,12 @@ def make_steps(config: ml_collections.ConfigDict,
 
 def load_data(config: ml_collections.ConfigDict) -> data_lib.Dataset:
   """The dataset of a run: ``config.dataset`` (smallNORB with its options)."""
+  fill_defaults(config)
   options = {}
   if config.dataset == 'smallnorb':
     options = {'stereo': config.stereo,
                'viewpoint_split': config.viewpoint_split or None,
-               'downsample': config.get('downsample', 'mean')}
+               'downsample': config.downsample}
   return data_lib.load_dataset(
       config.dataset, data_dir=config.data_dir or None,
       validation_size=config.validation_size, **options)

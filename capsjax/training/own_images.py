@@ -42,6 +42,7 @@ from capsjax.training import loop
 from capsjax.training import memory
 from capsjax.training import metrics as metrics_lib
 from capsjax.training import state as state_lib
+from capsjax.training.defaults import fill_defaults
 from capsjax.training.sharding import make_mesh
 
 # config.dataset of a run on your own images.
@@ -177,7 +178,7 @@ def with_data_shapes(config: ml_collections.ConfigDict,
   config.model_options.num_classes = len(class_names)
   config.class_names = tuple(class_names)
   num_train = len(dataset.train.labels)
-  devices = make_mesh(config.get('num_devices') or None).size
+  devices = make_mesh(fill_defaults(config).num_devices or None).size
   if config.batch_size > num_train:
     if num_train < devices:
       raise ValueError(f'{num_train} training images for {devices} devices; '
@@ -261,7 +262,7 @@ def model_size(config: ml_collections.ConfigDict,
   shape = tuple(dataset.train.images.shape[1:])
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
   state = _abstract_state(params, model_state, optimizer)
-  mesh_size = make_mesh(config.get('num_devices') or None).size
+  mesh_size = make_mesh(fill_defaults(config).num_devices or None).size
   per_device = max(1, config.batch_size // mesh_size)
   largest = max(len(dataset.validation.labels), len(dataset.test.labels))
   eval_batch = max(1, min(config.eval_batch_size, largest))

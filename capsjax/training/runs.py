@@ -16,6 +16,7 @@ from capsjax import evaluators
 from capsjax import families
 from capsjax.training import checkpoints
 from capsjax.training import own_images
+from capsjax.training.defaults import fill_defaults
 from capsjax.training.evaluation import evaluate
 from capsjax.training.sharding import make_mesh
 from capsjax.training.state import make_optimizer
@@ -32,6 +33,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, **fit_options
           ) -> dict[str, Any]:
   """Train ``config`` in ``workdir`` with its family's trainer; the summary.
   ``fit_options`` go to ``loop.fit`` (not with your own images)."""
+  fill_defaults(config)
   if config.dataset == own_images.DATASET:
     if fit_options:
       raise ValueError(f'a run on your own images takes no fit options, got '

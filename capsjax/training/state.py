@@ -19,6 +19,7 @@ from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import models
+from capsjax.training.defaults import fill_defaults
 
 
 class TrainState(NamedTuple):
@@ -51,7 +52,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 def make_optimizer(config: ml_collections.ConfigDict
                    ) -> optax.GradientTransformation:
   return optax.adam(learning_rate_schedule(config),
-                    eps=config.get('adam_epsilon', 1e-8))
+                    eps=fill_defaults(config).adam_epsilon)
 
 
 # ----------------------------------------------------------------------------
@@ -112,7 +113,7 @@ COMPUTE_DTYPES = {'float32': None, 'bfloat16': jnp.bfloat16}
 
 def compute_dtype(config: ml_collections.ConfigDict):
   """``config.compute_dtype`` as a dtype (None: float32, nothing cast)."""
-  name = config.get('compute_dtype', 'float32')
+  name = fill_defaults(config).compute_dtype
   if name not in COMPUTE_DTYPES:
     raise ValueError(f'config.compute_dtype must be one of '
                      f'{sorted(COMPUTE_DTYPES)}, got {name!r}.')

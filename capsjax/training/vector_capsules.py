@@ -39,6 +39,7 @@ from capsjax import data as data_lib
 from capsjax import families
 from capsjax.training import loop
 from capsjax.training import state as state_lib
+from capsjax.training.defaults import fill_defaults
 
 
 def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
@@ -89,7 +90,7 @@ def make_steps(config: ml_collections.ConfigDict,
   """The jittable train and eval steps of a dynamic-routing model."""
 
   family = families.of(config.model)
-  canvas_size = config.get('canvas_size') or 0
+  canvas_size = fill_defaults(config).canvas_size or 0
   dtype = state_lib.compute_dtype(config)
   eval_inputs = lambda images: preprocess(config, images, None)  # noqa: E731
 
@@ -209,7 +210,7 @@ def load_data(config: ml_collections.ConfigDict) -> data_lib.Dataset:
   dataset = data_lib.load_dataset(
       config.dataset, data_dir=config.data_dir or None,
       validation_size=config.validation_size, **options)
-  canvas_size = config.get('canvas_size') or 0
+  canvas_size = fill_defaults(config).canvas_size or 0
   if canvas_size:
     dataset = data_lib.dataset_on_canvas(dataset, canvas_size,
                                          config.eval_set_seed)
