@@ -50,10 +50,18 @@ def load_context(workdir: str, which: str = 'selected',
   config = checkpoints.read_workdir_config(workdir)
   if data_dir:
     config.data_dir = data_dir
-  trainer = family(config)
-  optimizer = make_optimizer(config)
   graphdef, state = checkpoints.load_trained_state(workdir, which)
-  steps = trainer.steps_for(config, optimizer)
+  return context_of(config, graphdef, state, workdir)
+
+
+def context_of(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
+               state, workdir: str, write_files: bool = True
+               ) -> evaluators.Context:
+  """A trained model (``graphdef`` and its train ``state``) of ``config``
+  as the evaluators see it, its data read from ``config.data_dir`` on
+  first use; ``workdir`` is where evaluators write their files."""
+  trainer = family(config)
+  steps = trainer.steps_for(config, make_optimizer(config))
   evaluate_split = functools.partial(
       evaluate, functools.partial(steps.eval_step, graphdef), state,
       batch_size=config.eval_batch_size, mesh=make_mesh(1))
@@ -63,4 +71,4 @@ def load_context(workdir: str, which: str = 'selected',
       eval_inputs=steps.eval_inputs, load_dataset=(
           functools.partial(own_images.load_data, config, workdir)
           if config.dataset == own_images.DATASET
-          else lambda: trainer.load_data(config)))
+          else lambda: trainer.load_data(config)), write_files=write_files)
