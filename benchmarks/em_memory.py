@@ -112,9 +112,8 @@ def _layer_fns(model, impl: str):
     def f(params, poses, acts):
       out_poses, out_acts, _ = layers.conv_capsule_routing(
           poses, acts, *params, stride=layer.stride,
-          normalize_across_positions=layer.normalize_across_positions,
-          true_stride=layer.true_stride, window_chunk=routing['window_chunk'],
-          impl=routing['routing_impl'], **layer.routing_options)
+          em_routing=layer.em_routing, window_chunk=routing['window_chunk'],
+          impl=routing['routing_impl'])
       return jnp.sum(out_poses) + jnp.sum(out_acts)
     return f, (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
 
@@ -124,7 +123,7 @@ def _layer_fns(model, impl: str):
     out_poses, out_acts, _ = layers.class_capsule_routing(
         poses, acts, *params, coordinate_addition=cls.coordinate_addition,
         coordinate_offsets=cls.coordinate_offsets,
-        coordinate_order=cls.coordinate_order, **cls.routing_options)
+        coordinate_order=cls.coordinate_order, em_routing=cls.em_routing)
     return jnp.sum(out_poses) + jnp.sum(out_acts)
 
   return {'caps1': conv(model.caps1), 'caps2': conv(model.caps2),

@@ -266,22 +266,29 @@ class MatrixCapsNet(nn.Module):
 
   def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
                num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
-               D: int = 32, num_iterations: int = 3, caps1_iterations: int = 0,
+               D: int = 32, em_routing='paper', em_routing_overrides=None,
+               caps1_iterations: int = 0,
                coordinate_addition: bool = True, conv1_kernel: int = 5,
                conv1_stride: int = 2, caps1_kernel: int = 3,
                caps1_stride: int = 2, caps2_kernel: int = 3,
-               caps2_stride: int = 1, inverse_temperature=None,
+               caps2_stride: int = 1,
                class_inverse_temperature=None, class_lambda_scale: float = 1.0,
-               normalize_cost: bool = False, transform_std: float | None = None,
-               variance_epsilon: float = 1e-4, activation_form: str = 'paper',
-               normalize_across_positions: bool = False,
-               center_momentum: float = 0.0, init: str = 'paper', **unused):
+               transform_std: float | None = None, init: str = 'paper',
+               **unused):
     super().__init__()
-    if (activation_form != 'paper' or normalize_across_positions or
-        center_momentum or init != 'paper'):
+    # capsjax's routing options (a preset's name and overrides, as the
+    # configs give them), read here as plain values.
+    from capsjax import routing  # noqa: PLC0415 (jax only where EM is built)
+    em = (routing.em_routing_preset(em_routing, **(em_routing_overrides or {}))
+          if isinstance(em_routing, str) else em_routing)
+    if (em.activation_form != 'paper' or em.normalize_across_positions or
+        em.released or em.center_momentum or init != 'paper'):
       raise ValueError('the PyTorch EM reference has the paper activation, '
                        'within-window E-step, no centre momentum and the '
                        "'paper' init only (the shipped configs' options).")
+    num_iterations, inverse_temperature = (em.num_iterations,
+                                           em.inverse_temperature)
+    normalize_cost, variance_epsilon = em.normalize_cost, em.variance_epsilon
     height, width, channels = input_shape
     std = 0.5 if transform_std is None else transform_std
     lambdas = _lambdas(inverse_temperature, num_iterations)

@@ -127,21 +127,21 @@ def unsupported(pose_side: int, dtype, *, normalizer: bool, released: bool,
   return ''
 
 
-def _attributes(num_iterations, activation_form, normalize_cost,
-                center_momentum, variance_epsilon):
-  return dict(iterations=np.int64(num_iterations),
-              authors_form=np.int64(activation_form == 'authors'),
-              normalize_cost=np.int64(bool(normalize_cost)),
-              center_momentum=np.float64(center_momentum),
-              variance_epsilon=np.float64(variance_epsilon),
-              mass_epsilon=np.float64(routing.MASS_EPSILON),
-              cost_std_epsilon=np.float64(routing.COST_STD_EPSILON))
+def _attributes(em_routing: routing.EMRouting
+                ) -> tuple[tuple[str, np.generic], ...]:
+  """The kernel's FFI attributes of ``em_routing`` (hashable: a static
+  argument of the custom VJP)."""
+  return (('iterations', np.int64(em_routing.num_iterations)),
+          ('authors_form', np.int64(em_routing.activation_form == 'authors')),
+          ('normalize_cost', np.int64(bool(em_routing.normalize_cost))),
+          ('center_momentum', np.float64(em_routing.center_momentum)),
+          ('variance_epsilon', np.float64(em_routing.variance_epsilon)),
+          ('mass_epsilon', np.float64(routing.MASS_EPSILON)),
+          ('cost_std_epsilon', np.float64(routing.COST_STD_EPSILON)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _route(poses, activations, weights, beta_u, beta_a, lambdas,
-           num_iterations, activation_form, normalize_cost, center_momentum,
-           variance_epsilon):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _route(poses, activations, weights, beta_u, beta_a, lambdas, attributes):
   num, num_in = activations.shape
   num_out = weights.shape[1]
   dtype = poses.dtype
@@ -150,51 +150,46 @@ def _route(poses, activations, weights, beta_u, beta_a, lambdas,
             jax.ShapeDtypeStruct((num, num_in, num_out), dtype))
   return jax.ffi.ffi_call('EmConvRoutingForward', shapes,
                           vmap_method='sequential')(
-      poses, activations, weights, beta_u, beta_a, lambdas,
-      **_attributes(num_iterations, activation_form, normalize_cost,
-                    center_momentum, variance_epsilon))
+      poses, activations, weights, beta_u, beta_a, lambdas, **dict(attributes))
 
 
 def _route_forward(poses, activations, weights, beta_u, beta_a, lambdas,
-                   *options):
+                   attributes):
   return (_route(poses, activations, weights, beta_u, beta_a, lambdas,
-                 *options),
+                 attributes),
           (poses, activations, weights, beta_u, beta_a, lambdas))
 
 
-def _route_backward(num_iterations, activation_form, normalize_cost,
-                    center_momentum, variance_epsilon, residuals, cotangents):
-  poses, activations, weights, beta_u, beta_a, lambdas = residuals
+def _route_backward(attributes, residuals, cotangents):
+  poses = residuals[0]
   cotangents = tuple(jnp.asarray(c, poses.dtype) for c in cotangents)
   shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in residuals)
   return jax.ffi.ffi_call('EmConvRoutingBackward', shapes,
                           vmap_method='sequential')(
-      *residuals, *cotangents,
-      **_attributes(num_iterations, activation_form, normalize_cost,
-                    center_momentum, variance_epsilon))
+      *residuals, *cotangents, **dict(attributes))
 
 
 _route.defvjp(_route_forward, _route_backward)
 
 
 def route_windows(poses, activations, weights, beta_u, beta_a,
-                  num_iterations: int = 3, *, inverse_temperature=None,
-                  variance_epsilon: float = routing.VARIANCE_FLOOR,
-                  normalize_cost: bool = False, center_momentum: float = 0.0,
-                  activation_form: str = 'paper'
+                  num_iterations: int | None = None, *,
+                  em_routing: routing.EMRouting | None = None, **fields
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """EM routing of N independent windows, their votes V_io = M_i W_io.
 
   Computes ``routing.em_routing(votes.matrix_votes(poses, weights),
-  activations, beta_u, beta_a, num_iterations, ...)`` with the same options.
+  activations, beta_u, beta_a, options=em_routing)``.
 
   Args:
     poses: [N, I, 4, 4] each window's child poses M_i.
     activations: [N, I] their activations.
     weights: [I, O, 4, 4] transforms W_io, shared by the windows.
     beta_u, beta_a: broadcastable to [O].
-    num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
-      center_momentum, activation_form: as ``routing.em_routing``.
+    num_iterations, em_routing, fields: the routing, as
+      ``routing.em_routing``'s ``num_iterations``, ``options`` and
+      ``fields`` (``released`` and the conv-only fields are not the
+      kernel's: ``unsupported`` says so).
   Returns:
     (poses [N, O, 16], activations [N, O], assignments [N, I, O]), float64
     for float64 inputs, else float32 (bfloat16 poses are routed in
@@ -202,10 +197,10 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   """
   if not available():
     raise RuntimeError(f'EM routing kernel: {status()}')
-  routing._check_iterations(num_iterations)
-  if activation_form not in ('paper', 'authors'):
-    raise ValueError(f"activation_form must be 'paper' or 'authors', got "
-                     f'{activation_form!r}.')
+  em_routing = routing.with_overrides(em_routing, num_iterations, **fields)
+  if em_routing.released or em_routing.normalize_across_positions:
+    raise ValueError('EM routing kernel: it routes each window on its own, '
+                     'without the released path or normalize_across_positions.')
   poses, activations = jnp.asarray(poses), jnp.asarray(activations)
   weights = jnp.asarray(weights)
   if (poses.ndim != 4 or poses.shape[2:] != (POSE_SIDE, POSE_SIDE)
@@ -219,9 +214,8 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   dtype = jnp.promote_types(poses.dtype, jnp.float32)
   num_out = weights.shape[1]
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
-  lambdas = routing._inverse_temperatures(inverse_temperature, num_iterations,
-                                          dtype)
+  lambdas = routing._inverse_temperatures(em_routing.inverse_temperature,
+                                          em_routing.num_iterations, dtype)
   return _route(poses.astype(dtype), activations.astype(dtype),
                 weights.astype(dtype), cast(beta_u), cast(beta_a), lambdas,
-                num_iterations, activation_form, bool(normalize_cost),
-                float(center_momentum), float(variance_epsilon))
+                _attributes(em_routing))

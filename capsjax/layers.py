@@ -36,13 +36,13 @@ Initialisation (see each layer):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
@@ -584,42 +584,11 @@ class MatrixPrimaryCapsules(nnx.Module):
     return poses, jax.nn.sigmoid(logits)
 
 
-def _em_options(num_iterations, inverse_temperature, variance_epsilon,
-                normalize_cost, center_momentum, activation_form,
-                released) -> dict:
-  _check_iterations(num_iterations)
-  if activation_form not in ('paper', 'authors'):
-    raise ValueError(
-        f"activation_form must be 'paper' or 'authors', got "
-        f'{activation_form!r}.')
-  if variance_epsilon < 0:
-    raise ValueError(
-        f'variance_epsilon must be >= 0, got {variance_epsilon!r}.')
-  if not 0.0 <= center_momentum < 1.0:
-    raise ValueError(
-        f'center_momentum must be in [0, 1), got {center_momentum!r}.')
-  # Stored as Python floats: static routing options, hashable, no arrays.
-  if inverse_temperature is not None:
-    try:
-      values = np.asarray(inverse_temperature, np.float64)
-    except (TypeError, ValueError):
-      values = None
-    if values is None or values.ndim > 1 or not np.all(np.isfinite(values)):
-      raise ValueError(
-          f'inverse_temperature must be None (the authors\' schedule), a '
-          f'number or one number per iteration, got {inverse_temperature!r}.')
-    inverse_temperature = (float(values) if values.ndim == 0 else
-                           tuple(float(t) for t in values))
-  if isinstance(inverse_temperature, tuple):
-    if len(inverse_temperature) != num_iterations:
-      raise ValueError(
-          f'inverse_temperature needs one value per iteration '
-          f'({num_iterations}), got {len(inverse_temperature)}.')
-  return dict(num_iterations=num_iterations,
-              inverse_temperature=inverse_temperature,
-              variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-              center_momentum=center_momentum, activation_form=activation_form,
-              released=bool(released))
+def _check_em_routing(em_routing) -> routing.EMRouting:
+  if not isinstance(em_routing, routing.EMRouting):
+    raise ValueError(f'em_routing must be a routing.EMRouting (presets: '
+                     f'routing.EM_ROUTING_PRESETS), got {em_routing!r}.')
+  return em_routing
 
 
 def _transform_init(rngs: nnx.Rngs, shape: Sequence[int], pose_size: int,
@@ -760,14 +729,9 @@ def _use_em_kernel(impl, window_chunk, why_not: str) -> bool:
 def conv_capsule_routing(
     poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
     beta_u: ArrayLike, beta_a: ArrayLike, *, stride: int,
-    num_iterations: int = 3, inverse_temperature=None,
-    variance_epsilon: float = routing.VARIANCE_FLOOR,
-    normalize_cost: bool = False, center_momentum: float = 0.0,
-    activation_form: str = 'paper', normalize_across_positions: bool = False,
-    released: bool = False, mass_epsilon: float | None = None,
-    true_stride: bool = False, votes_dtype=None,
+    em_routing: routing.EMRouting | None = None, votes_dtype=None,
     remat_iterations: bool = False, window_chunk: int | None = None,
-    impl: str | None = None
+    impl: str | None = None, **fields
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Convolutional capsules with EM routing, as a pure function.
 
@@ -778,21 +742,18 @@ def conv_capsule_routing(
   Args:
     poses: [B, H, W, Cin, P, P]; activations: [B, H, W, Cin].
     weights: [K, K, Cin, Cout, P, P]; beta_u, beta_a: [Cout].
-    stride: window stride. Routing options as ``routing.em_routing``.
-    normalize_across_positions: False routes each window on its own (one
-      em_routing per output position, mapped over [B, H', W']); True
-      normalises each child's assignments over every parent that receives
-      its votes across positions (the authors' released code), via
-      ``votes.conv_parent_normalizer``.
-    released: the released code's conv routing (``update_conv_routing``;
-      ``routing.RELEASED_EM`` sets it with its other options): the mass
-      padded by ``mass_epsilon`` (default 1e-7) as in ``routing.em_routing``,
-      and its E-step normaliser ``votes.released_conv_normalizer`` (each
-      (child, parent type) over the windows covering the child, windows
-      indexed as if the stride were 1).
-    true_stride: with ``released``, index the windows' children with the
-      layer's stride (a correction of the released code; no effect at
-      stride 1).
+    stride: window stride.
+    em_routing: the routing (``routing.EMRouting``; None: the paper's);
+      ``fields``, any of its fields by name, override it. Without
+      ``normalize_across_positions`` or ``released`` each window routes on
+      its own (one em_routing per output position, mapped over [B, H',
+      W']); ``normalize_across_positions`` normalises each child's
+      assignments over every parent that receives its votes across
+      positions (``votes.conv_parent_normalizer``); ``released`` is the
+      released code's conv routing (``update_conv_routing``): the mass
+      padded by ``mass_epsilon`` (default 1e-7) and its E-step normaliser
+      ``votes.released_conv_normalizer``, windows indexed as if the stride
+      were 1 unless ``true_stride``.
     votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
       routing statistics stay float32. None keeps the poses' dtype. The
       fused kernel rounds poses and transforms to it and then computes the
@@ -814,6 +775,7 @@ def conv_capsule_routing(
     (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
     poses' dtype, assignments [B, H', W', I, Cout] float32).
   """
+  em_routing = routing.with_overrides(em_routing, **fields)
   poses, activations = jnp.asarray(poses), jnp.asarray(activations)
   weights = jnp.asarray(weights)
   if poses.ndim != 6 or activations.shape != poses.shape[:4]:
@@ -835,41 +797,27 @@ def conv_capsule_routing(
   pose_patches = pose_patches.reshape(batch, out_h, out_w, num_in, p, p)
   act_patches = votes_lib.conv_capsule_patches(
       activations, kernel_size, stride).reshape(batch, out_h, out_w, num_in)
-  options = dict(num_iterations=num_iterations,
-                 inverse_temperature=inverse_temperature,
-                 variance_epsilon=variance_epsilon,
-                 normalize_cost=normalize_cost,
-                 center_momentum=center_momentum,
-                 activation_form=activation_form,
-                 remat_iterations=remat_iterations)
-  if released:
-    if normalize_across_positions:
-      raise ValueError('released=True brings its own E-step normaliser; '
-                       'leave normalize_across_positions False.')
-    options.update(
-        assignment_normalizer=votes_lib.released_conv_normalizer(
-            out_h, out_w, kernel_size, stride, in_types,
-            true_stride=true_stride),
-        released=True,
-        mass_epsilon=(routing.RELEASED_CONV_MASS_EPSILON
-                      if mass_epsilon is None else mass_epsilon))
-  elif true_stride or mass_epsilon is not None:
-    raise ValueError('true_stride and mass_epsilon apply with released=True '
-                     'only.')
-  elif normalize_across_positions:
+  options = dict(remat_iterations=remat_iterations)
+  if em_routing.released:
+    options.update(assignment_normalizer=votes_lib.released_conv_normalizer(
+        out_h, out_w, kernel_size, stride, in_types,
+        true_stride=em_routing.true_stride))
+    if em_routing.mass_epsilon is None:
+      em_routing = dataclasses.replace(
+          em_routing, mass_epsilon=routing.RELEASED_CONV_MASS_EPSILON)
+  elif em_routing.normalize_across_positions:
     options.update(assignment_normalizer=votes_lib.conv_parent_normalizer(
         height, width, kernel_size, stride, in_types))
+  options.update(options=em_routing)
   flat_weights = weights.reshape(num_in, out_types, p, p)
   use_kernel = _use_em_kernel(impl, window_chunk, em_kernel.unsupported(
       p, pose_patches.dtype, normalizer='assignment_normalizer' in options,
-      released=released, remat_iterations=remat_iterations))
+      released=em_routing.released, remat_iterations=remat_iterations))
   if use_kernel:
     out_poses, out_acts, assignments = em_kernel.route_windows(
         pose_patches.reshape(-1, num_in, p, p),
         act_patches.reshape(-1, num_in), flat_weights, beta_u, beta_a,
-        num_iterations, inverse_temperature=inverse_temperature,
-        variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-        center_momentum=center_momentum, activation_form=activation_form)
+        em_routing=em_routing)
     return (out_poses.reshape(batch, out_h, out_w, out_types, p, p
                               ).astype(out_dtype),
             out_acts.reshape(batch, out_h, out_w, out_types).astype(out_dtype),
@@ -934,13 +882,8 @@ class ConvCapsules(nnx.Module):
   """
 
   def __init__(self, in_types: int, out_types: int, kernel_size: int = 3,
-               stride: int = 2, num_iterations: int = 3, *, pose_size: int = 4,
-               inverse_temperature=None,
-               variance_epsilon: float = routing.VARIANCE_FLOOR,
-               normalize_cost: bool = False, center_momentum: float = 0.0,
-               activation_form: str = 'paper',
-               normalize_across_positions: bool = False,
-               released: bool = False, true_stride: bool = False,
+               stride: int = 2, *, pose_size: int = 4,
+               em_routing: routing.EMRouting = routing.PAPER_EM,
                remat: bool = False, remat_iterations: bool = False,
                window_chunk: int | None = None, routing_impl: str | None = None,
                votes_dtype=None, transform_std: float | None = None,
@@ -952,13 +895,7 @@ class ConvCapsules(nnx.Module):
                         ('pose_size', pose_size)):
       _check_positive_int(name, value)
     self.kernel_size, self.stride = kernel_size, stride
-    self.routing_options = _em_options(
-        num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
-        center_momentum, activation_form, released)
-    if true_stride and not released:
-      raise ValueError('true_stride applies with released=True only.')
-    self.normalize_across_positions = normalize_across_positions
-    self.true_stride = true_stride
+    self.em_routing = _check_em_routing(em_routing)
     self.remat, self.remat_iterations = remat, remat_iterations
     _check_window_chunk(window_chunk)
     self.window_chunk = window_chunk
@@ -978,12 +915,9 @@ class ConvCapsules(nnx.Module):
   def __call__(self, poses: ArrayLike, activations: ArrayLike
                ) -> tuple[jax.Array, jax.Array]:
     fn = functools.partial(
-        conv_capsule_routing, stride=self.stride,
-        normalize_across_positions=self.normalize_across_positions,
-        true_stride=self.true_stride, votes_dtype=self.votes_dtype,
-        remat_iterations=self.remat_iterations,
-        window_chunk=self.window_chunk, impl=self.routing_impl,
-        **self.routing_options)
+        conv_capsule_routing, stride=self.stride, em_routing=self.em_routing,
+        votes_dtype=self.votes_dtype, remat_iterations=self.remat_iterations,
+        window_chunk=self.window_chunk, impl=self.routing_impl)
     if self.remat:
       fn = jax.checkpoint(fn)
     out_poses, out_acts, _ = fn(poses, activations, self.weights[...],
@@ -995,12 +929,8 @@ def class_capsule_routing(
     poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
     beta_u: ArrayLike, beta_a: ArrayLike, *, coordinate_addition: bool = True,
     coordinate_offsets: tuple[Sequence[float], Sequence[float]] | None = None,
-    num_iterations: int = 3, inverse_temperature=None,
-    variance_epsilon: float = routing.VARIANCE_FLOOR,
-    normalize_cost: bool = False, center_momentum: float = 0.0,
-    activation_form: str = 'paper', released: bool = False,
-    mass_epsilon: float | None = None, coordinate_order: str = 'row_col',
-    votes_dtype=None
+    coordinate_order: str = 'row_col', votes_dtype=None,
+    em_routing: routing.EMRouting | None = None, **fields
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Class capsules: transforms shared over positions, one EM routing.
 
@@ -1015,8 +945,9 @@ def class_capsule_routing(
     coordinate_order: 'row_col' puts the row on vote entry 0 and the column
       on entry 1; 'col_row' the other way round (the released code, whose
       ``conv_pos`` swaps its two channels at each of its three calls).
-    released, mass_epsilon: as ``routing.em_routing`` (the released class
-      layer pads the mass by 1e-5).
+    em_routing, fields: the routing, as ``routing.em_routing``'s
+      ``options`` and ``fields`` (the released class layer pads the mass
+      by 1e-5).
   Returns:
     (poses [B, O, P, P] in the input poses' dtype, activations [B, O]
     float32 (the class scores), assignments [B, H*W*Cin, O] float32), inputs
@@ -1040,10 +971,7 @@ def class_capsule_routing(
   v = v.reshape(batch, -1, num_out, p * p)
   out_poses, out_acts, assignments = routing.em_routing(
       v, activations.reshape(batch, -1), beta_u, beta_a,
-      num_iterations=num_iterations, inverse_temperature=inverse_temperature,
-      variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-      center_momentum=center_momentum, activation_form=activation_form,
-      released=released, mass_epsilon=mass_epsilon)
+      options=routing.with_overrides(em_routing, **fields))
   # The class activations are the class scores: float32 (routing.em_routing).
   return (out_poses.reshape(batch, num_out, p, p).astype(out_dtype),
           out_acts, assignments)
@@ -1062,14 +990,11 @@ class ClassCapsules(nnx.Module):
   ``class_capsule_routing``); None: the grid's (h + 0.5) / H.
   """
 
-  def __init__(self, in_types: int, num_classes: int, num_iterations: int = 3,
-               *, pose_size: int = 4, coordinate_addition: bool = True,
+  def __init__(self, in_types: int, num_classes: int, *, pose_size: int = 4,
+               coordinate_addition: bool = True,
                coordinate_offsets: tuple[Sequence[float], Sequence[float]]
                | None = None,
-               inverse_temperature=None,
-               variance_epsilon: float = routing.VARIANCE_FLOOR,
-               normalize_cost: bool = False, center_momentum: float = 0.0,
-               activation_form: str = 'paper', released: bool = False,
+               em_routing: routing.EMRouting = routing.PAPER_EM,
                coordinate_order: str = 'row_col', votes_dtype=None,
                transform_std: float | None = None,
                transform_init: str = 'normal', beta_u_init: float = 0.0,
@@ -1081,9 +1006,7 @@ class ClassCapsules(nnx.Module):
     # Tuples of floats: static, hashable module attributes.
     self.coordinate_offsets = None if coordinate_offsets is None else tuple(
         tuple(float(x) for x in axis) for axis in coordinate_offsets)
-    self.routing_options = _em_options(
-        num_iterations, inverse_temperature, variance_epsilon, normalize_cost,
-        center_momentum, activation_form, released)
+    self.em_routing = _check_em_routing(em_routing)
     if coordinate_order not in ('row_col', 'col_row'):
       raise ValueError(f"coordinate_order must be 'row_col' or 'col_row', got "
                        f'{coordinate_order!r}.')
@@ -1104,7 +1027,7 @@ class ClassCapsules(nnx.Module):
         self.beta_a[...], coordinate_addition=self.coordinate_addition,
         coordinate_offsets=self.coordinate_offsets,
         coordinate_order=self.coordinate_order, votes_dtype=self.votes_dtype,
-        **self.routing_options)
+        em_routing=self.em_routing)
 
   def __call__(self, poses: ArrayLike, activations: ArrayLike
                ) -> tuple[jax.Array, jax.Array]:

@@ -25,9 +25,12 @@ Parameter counts (``count_params``, default options):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+from collections.abc import Mapping
 from collections.abc import Sequence
+from typing import Any
 from typing import ClassVar
 
 import jax
@@ -330,6 +333,52 @@ class BaselineCNN(nnx.Module):
 # Hinton, Sabour, Frosst 2018.
 
 
+def _em_layer_inits(init: str, transform_std: float | None
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The conv and class capsule layers' initialisation keyword arguments."""
+  if init not in ('paper', 'authors'):
+    raise ValueError(f"init must be 'paper' or 'authors', got {init!r}.")
+  if transform_std is not None and not transform_std > 0:
+    raise ValueError(f'transform_std must be > 0, got {transform_std!r}.')
+  if init == 'authors':
+    if transform_std is not None:
+      raise ValueError("transform_std applies to init='paper' only; the "
+                       "authors' init fixes its own stds.")
+    return layers.AUTHORS_CONV_INIT, layers.AUTHORS_CLASS_INIT
+  return {'transform_std': transform_std}, {'transform_std': transform_std}
+
+
+def _em_layer_routings(
+    em_routing: str | routing.EMRouting,
+    overrides: Mapping[str, Any] | None, caps1_iterations: int,
+    class_inverse_temperature, class_lambda_scale: float
+) -> tuple[routing.EMRouting, routing.EMRouting, routing.EMRouting]:
+  """(ConvCaps2's, ConvCaps1's, the class layer's) routing: ``em_routing``
+  (a preset's name or an ``EMRouting``) with ``overrides``; ConvCaps1 with
+  its own iterations, the class layer with its own inverse temperature."""
+  if isinstance(em_routing, str):
+    em_routing = routing.em_routing_preset(em_routing)
+  elif not isinstance(em_routing, routing.EMRouting):
+    raise ValueError(f'em_routing must be a preset name ('
+                     f'{", ".join(routing.EM_ROUTING_PRESETS)}) or a '
+                     f'routing.EMRouting, got {em_routing!r}.')
+  conv = dataclasses.replace(em_routing, **dict(overrides or {}))
+  if (isinstance(caps1_iterations, bool) or
+      not isinstance(caps1_iterations, int) or caps1_iterations < 0):
+    raise ValueError(f'caps1_iterations must be a positive int (or 0: '
+                     f'num_iterations), got {caps1_iterations!r}.')
+  caps1 = dataclasses.replace(
+      conv, num_iterations=caps1_iterations or conv.num_iterations)
+  if not class_lambda_scale > 0:
+    raise ValueError(f'class_lambda_scale must be > 0, got '
+                     f'{class_lambda_scale!r}.')
+  if class_inverse_temperature is None:
+    class_inverse_temperature = _scaled_inverse_temperature(
+        conv.inverse_temperature, class_lambda_scale, conv.num_iterations)
+  return conv, caps1, dataclasses.replace(
+      conv, inverse_temperature=class_inverse_temperature)
+
+
 def _scaled_inverse_temperature(inverse_temperature, scale: float,
                                 num_iterations: int):
   """``scale`` times an EM layer's lambda (None: the authors' schedule)."""
@@ -373,21 +422,24 @@ class MatrixCapsNet(nnx.Module):
   'released_2019' (the same kernel read as P*P + 1 channels per type, as
   the code first released did; ``MatrixPrimaryCapsules``).
 
-  ``released_routing``: every EM layer routes as the released slow path
-  (``routing.RELEASED_EM``: the padded mass, and in conv capsules its E-step
-  normaliser, each (child, parent type) over the windows that cover the
-  child, windows indexed as if the stride were 1); ``true_stride`` corrects
-  that indexing in the stride-2 ConvCaps1.
+  ``em_routing``: every EM layer's routing, a ``routing.EMRouting`` or
+  the name of one of ``routing.EM_ROUTING_PRESETS`` ('paper', 'authors',
+  'released', 'capsjax'), its fields replaced by those in
+  ``em_routing_overrides`` (docs/em_routing_options.md). 'released' routes
+  every EM layer as the released slow path (``routing.RELEASED_EM``: the
+  padded mass, and in conv capsules its E-step normaliser, each (child,
+  parent type) over the windows that cover the child, windows indexed as
+  if the stride were 1; the field ``true_stride`` corrects that indexing
+  in the stride-2 ConvCaps1).
 
   ``init='paper'`` (the paper prints none): transforms normal std 1/2 =
   1/sqrt(pose side), or ``transform_std``, beta_u = beta_a = 0.
   ``init='authors'``: the released code's TF truncated normals, std 0.3 /
   beta 0.5 (conv capsules), std 0.01 / beta_a 1.0, beta_u 2.0 (class
-  capsules), and Conv1 std 0.05 with bias 0.1. Routing
-  options go to every EM layer; ``caps1_iterations`` > 0 overrides
-  ``num_iterations`` in ConvCaps1 (the largest routing, most of a CPU
-  training step); ``class_inverse_temperature`` overrides
-  ``inverse_temperature`` in the class layer, and without it
+  capsules), and Conv1 std 0.05 with bias 0.1. ``caps1_iterations`` > 0
+  overrides the routing's ``num_iterations`` in ConvCaps1 (the largest
+  routing, most of a CPU training step); ``class_inverse_temperature``
+  overrides its ``inverse_temperature`` in the class layer, and without it
   ``class_lambda_scale`` multiplies the other layers' lambda there (the
   released code: 0.25, final lambda / 4).
 
@@ -410,25 +462,19 @@ class MatrixCapsNet(nnx.Module):
 
   def __init__(self, *, input_shape: Sequence[int] = (32, 32, 1),
                num_classes: int = 5, A: int = 32, B: int = 32, C: int = 32,
-               D: int = 32, num_iterations: int = 3,
+               D: int = 32, em_routing: str | routing.EMRouting = 'paper',
+               em_routing_overrides: Mapping[str, Any] | None = None,
                caps1_iterations: int = 0,
+               class_inverse_temperature=None, class_lambda_scale: float = 1.0,
                coordinate_addition: bool = True,
                coordinate_form: str = 'grid', conv1_kernel: int = 5,
                conv1_stride: int = 2, caps1_kernel: int = 3,
                caps1_stride: int = 2, caps2_kernel: int = 3,
-               caps2_stride: int = 1, inverse_temperature=None,
-               class_inverse_temperature=None, class_lambda_scale: float = 1.0,
-               normalize_cost: bool = False,
-               variance_epsilon: float = routing.VARIANCE_FLOOR,
-               center_momentum: float = 0.0, activation_form: str = 'paper',
-               normalize_across_positions: bool = False,
-               released_routing: bool = False, true_stride: bool = False,
-               primary_form: str = 'paper', remat: bool = False,
-               remat_iterations: bool = False,
+               caps2_stride: int = 1, primary_form: str = 'paper',
+               remat: bool = False, remat_iterations: bool = False,
                window_chunk: int | None = None,
                routing_impl: str | None = None, votes_dtype=None,
-               init: str = 'paper',
-               transform_std: float | None = None,
+               init: str = 'paper', transform_std: float | None = None,
                conv_impl: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
     for name, value in (('num_classes', num_classes), ('A', A), ('B', B),
@@ -439,54 +485,28 @@ class MatrixCapsNet(nnx.Module):
                         ('caps2_kernel', caps2_kernel),
                         ('caps2_stride', caps2_stride)):
       _check_positive_int(name, value)
-    if init not in ('paper', 'authors'):
-      raise ValueError(f"init must be 'paper' or 'authors', got {init!r}.")
     if coordinate_form not in ('grid', 'authors', 'released'):
       raise ValueError(f"coordinate_form must be 'grid', 'authors' or "
                        f"'released', got {coordinate_form!r}.")
-    if transform_std is not None and not transform_std > 0:
-      raise ValueError(f'transform_std must be > 0, got {transform_std!r}.')
-    if init == 'authors' and transform_std is not None:
-      raise ValueError("transform_std applies to init='paper' only; the "
-                       "authors' init fixes its own stds.")
-    plain_init = {'transform_std': transform_std}
-    conv_init = layers.AUTHORS_CONV_INIT if init == 'authors' else plain_init
-    class_init = layers.AUTHORS_CLASS_INIT if init == 'authors' else plain_init
-    if not class_lambda_scale > 0:
-      raise ValueError(f'class_lambda_scale must be > 0, got '
-                       f'{class_lambda_scale!r}.')
-    if class_inverse_temperature is None:
-      class_inverse_temperature = _scaled_inverse_temperature(
-          inverse_temperature, class_lambda_scale, num_iterations)
+    conv_init, class_init = _em_layer_inits(init, transform_std)
+    conv_routing, caps1_routing, class_routing = _em_layer_routings(
+        em_routing, em_routing_overrides, caps1_iterations,
+        class_inverse_temperature, class_lambda_scale)
     self.input_shape = (height, width, channels)
-    em = dict(num_iterations=num_iterations, variance_epsilon=variance_epsilon,
-              normalize_cost=normalize_cost, center_momentum=center_momentum,
-              activation_form=activation_form, released=released_routing,
-              votes_dtype=votes_dtype)
     self.conv1 = layers.Conv2D(
         channels, A, conv1_kernel, conv1_stride, conv_impl=conv_impl,
         rngs=rngs, **(layers.AUTHORS_CONV1_INIT if init == 'authors' else {}))
     self.primary = layers.MatrixPrimaryCapsules(A, B, form=primary_form,
                                                 rngs=rngs)
-    if (isinstance(caps1_iterations, bool) or
-        not isinstance(caps1_iterations, int) or caps1_iterations < 0):
-      raise ValueError(f'caps1_iterations must be a positive int (or 0: '
-                       f'num_iterations), got {caps1_iterations!r}.')
-    caps1_iterations = caps1_iterations or num_iterations
+    execution = dict(votes_dtype=votes_dtype, remat=remat,
+                     remat_iterations=remat_iterations,
+                     window_chunk=window_chunk, routing_impl=routing_impl)
     self.caps1 = layers.ConvCapsules(
-        B, C, caps1_kernel, caps1_stride, inverse_temperature=inverse_temperature,
-        normalize_across_positions=normalize_across_positions,
-        true_stride=true_stride, remat=remat,
-        remat_iterations=remat_iterations,
-        window_chunk=window_chunk, routing_impl=routing_impl, rngs=rngs,
-        **(em | {'num_iterations': caps1_iterations}), **conv_init)
+        B, C, caps1_kernel, caps1_stride, em_routing=caps1_routing,
+        rngs=rngs, **execution, **conv_init)
     self.caps2 = layers.ConvCapsules(
-        C, D, caps2_kernel, caps2_stride, inverse_temperature=inverse_temperature,
-        normalize_across_positions=normalize_across_positions,
-        true_stride=true_stride, remat=remat,
-        remat_iterations=remat_iterations,
-        window_chunk=window_chunk, routing_impl=routing_impl, rngs=rngs, **em,
-        **conv_init)
+        C, D, caps2_kernel, caps2_stride, em_routing=conv_routing,
+        rngs=rngs, **execution, **conv_init)
     # The authors' coordinates: each class-layer position's receptive-field
     # centre in input pixels (Conv1, then the 1x1 primary capsules, then
     # the two conv capsule layers).
@@ -499,18 +519,47 @@ class MatrixCapsNet(nnx.Module):
         D, num_classes, coordinate_addition=coordinate_addition,
         coordinate_offsets=offsets,
         coordinate_order='col_row' if coordinate_form == 'released'
-        else 'row_col',
-        inverse_temperature=class_inverse_temperature, rngs=rngs, **em,
-        **class_init)
+        else 'row_col', em_routing=class_routing, votes_dtype=votes_dtype,
+        rngs=rngs, **class_init)
     # Fail at construction, not first call, when a kernel does not fit.
-    grid_sizes = []
-    for side in (height, width):
-      sizes = [self.conv1.output_size(side)]
-      sizes.append(self.caps1.output_size(sizes[-1]))
-      sizes.append(self.caps2.output_size(sizes[-1]))
-      grid_sizes.append(tuple(sizes))
     # (rows, cols) of the Conv1 / ConvCaps1 / ConvCaps2 grids.
-    self.grid_sizes = tuple(grid_sizes)
+    self.grid_sizes = tuple(self._grid_sizes(side) for side in (height, width))
+
+  def _grid_sizes(self, side: int) -> tuple[int, int, int]:
+    """The Conv1, ConvCaps1 and ConvCaps2 grid sides of an input side."""
+    conv1 = self.conv1.output_size(side)
+    caps1 = self.caps1.output_size(conv1)
+    return conv1, caps1, self.caps2.output_size(caps1)
+
+  # The model options that the routing's fields replaced (configs and
+  # checkpoints written before ``em_routing``): ``upgrade_options`` moves
+  # them into ``em_routing_overrides``.
+  _FLAT_ROUTING_OPTIONS: ClassVar[dict[str, str]] = {
+      'num_iterations': 'num_iterations',
+      'inverse_temperature': 'inverse_temperature',
+      'variance_epsilon': 'variance_epsilon',
+      'normalize_cost': 'normalize_cost',
+      'center_momentum': 'center_momentum',
+      'activation_form': 'activation_form',
+      'normalize_across_positions': 'normalize_across_positions',
+      'released_routing': 'released', 'true_stride': 'true_stride'}
+
+  @classmethod
+  def upgrade_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the flat routing options of older configs moved
+    into ``em_routing_overrides`` (on top of the 'paper' preset, which was
+    those options' default)."""
+    flat = {key: value for key, value in options.items()
+            if key in cls._FLAT_ROUTING_OPTIONS}
+    if not flat:
+      return dict(options)
+    upgraded = {key: value for key, value in options.items()
+                if key not in flat}
+    overrides = dict(upgraded.get('em_routing_overrides') or {})
+    overrides.update({cls._FLAT_ROUTING_OPTIONS[key]: value
+                      for key, value in flat.items()})
+    upgraded['em_routing_overrides'] = overrides
+    return upgraded
 
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
@@ -813,6 +862,8 @@ def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
   larger than its input grid, ...).
   """
   cls = model_class(name)
+  if hasattr(cls, 'upgrade_options'):
+    options = cls.upgrade_options(options)
   valid = model_options(name)
   unknown = sorted(set(options) - set(valid))
   if unknown:

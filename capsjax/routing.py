@@ -14,14 +14,15 @@ scores). No Flax import: layers call these functions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 # Added under the square root of a squared norm: keeps the norm and its
@@ -388,17 +389,147 @@ def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
                       -1, -2)
 
 
+@dataclasses.dataclass(frozen=True)
+class EMRouting:
+  """What EM routing computes, as one frozen, hashable value: the routing
+  functions, the capsule layers, the fused kernel and
+  ``models.MatrixCapsNet`` take it whole. ``EM_ROUTING_PRESETS`` names the
+  usual sets; ``em_routing_preset(name, **fields)`` (or
+  ``dataclasses.replace``) changes fields.
+
+  Fields:
+    num_iterations: static number of iterations T >= 1.
+    inverse_temperature: None for the authors' schedule lambda_t = 0.01
+      (1 - 0.95^(t+1)); a float for a constant lambda; or T values (stored
+      as a tuple of floats; a jax array, e.g. traced, is kept as given).
+    variance_epsilon: the variance floor added to every sigma^2.
+    normalize_cost: replace the cost by (cost - mean_O) / std_O before the
+      logistic (a popular variant of open implementations; not in the paper).
+    center_momentum: m in mu_t = (1 - m) mu_new + m mu_{t-1} (released code:
+      0.1, with mu_{-1} = 0). 0 is the paper.
+    activation_form: 'paper' (lambda (beta_a - sum_h cost_h)) or 'authors',
+      the released code's logit lambda (-mass (sum_h log sigma_h^2 + beta_u
+      D (log 2pi + 1)) - 5000 beta_a).
+    released: the released code's slow path where it differs beyond the
+      options above: the mass sum_i R_ij a_i is padded by ``mass_epsilon``
+      and that padded mass enters the mean, the variance and the activation
+      logit (False adds ``MASS_EPSILON`` to the mean's and variance's
+      divisor only); conv capsule layers also take its E-step normaliser
+      (``votes.released_conv_normalizer``: each (child, parent type) over
+      the windows covering the child, windows indexed as if the stride
+      were 1).
+    mass_epsilon: the padding with ``released``; None: the layer's, 1e-5 in
+      the class layer and ``em_routing`` (``RELEASED_CLASS_MASS_EPSILON``),
+      1e-7 in conv capsule layers (``RELEASED_CONV_MASS_EPSILON``).
+    normalize_across_positions: conv capsule layers: normalise each child's
+      assignments over every parent that receives its votes across
+      positions (``votes.conv_parent_normalizer``) instead of within each
+      window.
+    true_stride: conv capsule layers with ``released``: index the windows'
+      children with the layer's stride (a correction of the released code;
+      no effect at stride 1).
+  ``em_routing`` routes given votes: it takes an E-step normaliser as an
+  argument and does not read the two conv-only fields.
+  """
+
+  num_iterations: int = 3
+  inverse_temperature: float | tuple[float, ...] | jax.Array | None = None
+  variance_epsilon: float = VARIANCE_FLOOR
+  normalize_cost: bool = False
+  center_momentum: float = 0.0
+  activation_form: str = 'paper'
+  released: bool = False
+  mass_epsilon: float | None = None
+  normalize_across_positions: bool = False
+  true_stride: bool = False
+
+  def __post_init__(self):
+    _check_iterations(self.num_iterations)
+    if self.activation_form not in ('paper', 'authors'):
+      raise ValueError(f"activation_form must be 'paper' or 'authors', got "
+                       f'{self.activation_form!r}.')
+    if not self.variance_epsilon >= 0:
+      raise ValueError(
+          f'variance_epsilon must be >= 0, got {self.variance_epsilon!r}.')
+    if not 0.0 <= self.center_momentum < 1.0:
+      raise ValueError(
+          f'center_momentum must be in [0, 1), got {self.center_momentum!r}.')
+    if not self.released and (self.mass_epsilon is not None
+                              or self.true_stride):
+      raise ValueError('mass_epsilon and true_stride apply with released=True '
+                       'only.')
+    if self.released and self.normalize_across_positions:
+      raise ValueError('released=True brings its own E-step normaliser; '
+                       'leave normalize_across_positions False.')
+    # Frozen: __post_init__ stores the checked value with object.__setattr__.
+    object.__setattr__(self, 'inverse_temperature', _static_inverse_temperature(
+        self.inverse_temperature, self.num_iterations))
+
+
+def _static_inverse_temperature(inverse_temperature, num_iterations: int):
+  """None, a float or a tuple of T floats: static, hashable routing options
+  (a jax array is returned as it is: it may be traced)."""
+  if inverse_temperature is None or isinstance(inverse_temperature,
+                                               jax.Array):
+    return inverse_temperature
+  try:
+    values = np.asarray(inverse_temperature, np.float64)
+  except (TypeError, ValueError):
+    values = None
+  if values is None or values.ndim > 1 or not np.all(np.isfinite(values)):
+    raise ValueError(
+        f'inverse_temperature must be None (the authors\' schedule), a '
+        f'number or one number per iteration, got {inverse_temperature!r}.')
+  if values.ndim == 0:
+    return float(values)
+  if len(values) != num_iterations:
+    raise ValueError(
+        f'inverse_temperature needs one value per iteration '
+        f'({num_iterations}), got {len(values)}.')
+  return tuple(float(t) for t in values)
+
+
+# The paper's text (Hinton et al. 2018, Procedure 1): 3 iterations, the
+# authors' lambda schedule (final 0.01), capsjax's variance floor (the paper
+# prints none).
+PAPER_EM = EMRouting()
+# The authors' formulas in the paper's procedure: the released code's
+# activation logit, centre momentum and variance floor, each window routed
+# on its own (so the fused conv kernel can route it).
+AUTHORS_EM = EMRouting(variance_epsilon=5e-4, center_momentum=0.1,
+                       activation_form='authors')
 # The released EM code's routing (google-research capsule_em, the slow path
-# of em_layers.py), as keyword options of both ``em_routing`` and
-# ``layers.conv_capsule_routing``; the caller passes the released inverse
-# temperatures (``inverse_temperature_schedule``, final lambda 0.01, a
-# quarter of it in the class layer). Conv capsule layers then also take the
-# released E-step normaliser (``votes.released_conv_normalizer``: each
-# (child, parent type) normalised over the windows that cover the child, so
-# a child's assignments sum to the number of parent types, with windows
-# indexed as if the stride were 1; ``true_stride=True`` corrects that).
-RELEASED_EM = {'released': True, 'variance_epsilon': 5e-4,
-               'center_momentum': 0.1, 'activation_form': 'authors'}
+# of em_layers.py): the authors' formulas plus its padded mass and, in conv
+# capsule layers, its E-step normaliser. The caller passes the released
+# inverse temperatures (``inverse_temperature_schedule``, final lambda 0.01,
+# a quarter of it in the class layer: ``models.MatrixCapsNet``'s
+# ``class_lambda_scale``).
+RELEASED_EM = dataclasses.replace(AUTHORS_EM, released=True)
+# capsjax's options, the EM configs' default (docs/em_routing_options.md):
+# 2 iterations, the cost normalised, a constant lambda = 1.
+CAPSJAX_EM = EMRouting(num_iterations=2, inverse_temperature=1.0,
+                       normalize_cost=True)
+EM_ROUTING_PRESETS = {'paper': PAPER_EM, 'authors': AUTHORS_EM,
+                      'released': RELEASED_EM, 'capsjax': CAPSJAX_EM}
+
+
+def em_routing_preset(name: str, **fields) -> EMRouting:
+  """The preset ``name`` of ``EM_ROUTING_PRESETS`` with ``fields`` replaced."""
+  if name not in EM_ROUTING_PRESETS:
+    raise ValueError(f'unknown EM routing preset {name!r}; known: '
+                     f'{", ".join(EM_ROUTING_PRESETS)}.')
+  return dataclasses.replace(EM_ROUTING_PRESETS[name], **fields)
+
+
+def with_overrides(options: EMRouting | None, num_iterations: int | None = None,
+                   **fields) -> EMRouting:
+  """``options`` (None: ``PAPER_EM``) with ``num_iterations`` (unless None)
+  and ``fields`` replaced: how routing functions read their keyword
+  arguments."""
+  if num_iterations is not None:
+    fields['num_iterations'] = num_iterations
+  options = PAPER_EM if options is None else options
+  return dataclasses.replace(options, **fields) if fields else options
 
 
 def em_routing(
@@ -406,17 +537,12 @@ def em_routing(
     activations: ArrayLike,
     beta_u: ArrayLike,
     beta_a: ArrayLike,
-    num_iterations: int = 3,
+    num_iterations: int | None = None,
     *,
-    inverse_temperature: float | Sequence[float] | ArrayLike | None = None,
-    variance_epsilon: float = VARIANCE_FLOOR,
-    normalize_cost: bool = False,
-    center_momentum: float = 0.0,
-    activation_form: str = 'paper',
+    options: EMRouting | None = None,
     assignment_normalizer: Normalizer | None = None,
-    released: bool = False,
-    mass_epsilon: float | None = None,
     remat_iterations: bool = False,
+    **fields,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """EM routing between capsule layers (Hinton et al. 2018, Procedure 1).
 
@@ -435,31 +561,13 @@ def em_routing(
     activations: [..., I] input activations a_i in [0, 1].
     beta_u, beta_a: learned biases, broadcastable to [O] (one per output
       capsule type).
-    num_iterations: static number of iterations T >= 1.
-    inverse_temperature: None for the authors' schedule
-      lambda_t = 0.01 (1 - 0.95^(t+1)); a float for a constant lambda; or a
-      sequence of T values.
-    variance_epsilon: the variance floor added to every sigma^2.
-    normalize_cost: replace the cost by (cost - mean_O) / std_O before the
-      logistic (a popular variant of open implementations; not in the paper).
-    center_momentum: m in mu_t = (1 - m) mu_new + m mu_{t-1} (released code:
-      0.1, with mu_{-1} = 0). 0 is the paper.
-    activation_form: 'paper' (above) or 'authors', the released code's logit
-      lambda (-mass (sum_h log sigma_h^2 + beta_u D (log 2pi + 1)) - 5000
-      beta_a).
+    num_iterations: T, overriding ``options.num_iterations`` (None keeps it).
+    options: the routing (``EMRouting``; None: ``PAPER_EM``, the paper's
+      text); ``fields``, any ``EMRouting`` field by name, override it.
     assignment_normalizer: maps the E-step's log-numerators [..., I, O] to
       log R. Default: log-softmax over O. Convolutional capsule layers pass
       one that normalises each child over every parent that receives its
       votes across positions (the released code).
-    released: the released code's slow path (``update_em_routing``) where
-      it differs beyond the options above: the mass sum_i R_ij a_i is
-      padded by ``mass_epsilon`` (default ``RELEASED_CLASS_MASS_EPSILON``,
-      1e-5) and that padded mass enters the mean, the variance and the
-      activation logit; False adds ``MASS_EPSILON`` (1e-6) to the mean's and
-      variance's divisor only. ``RELEASED_EM`` sets it with the other
-      released options.
-    mass_epsilon: the padding with ``released`` (None: 1e-5; conv capsule
-      layers pass 1e-7, as the released conv routing).
     remat_iterations: ``jax.checkpoint`` each iteration: the backward pass
       keeps only the [..., I, O] assignments between iterations and
       recomputes each iteration's [..., I, O, D] temporaries when it gets
@@ -471,7 +579,8 @@ def em_routing(
     assignments [..., I, O] = the R used by the final M-step before it is
     multiplied by the input activations (float32; uniform 1/O when T = 1).
   """
-  _check_iterations(num_iterations)
+  options = with_overrides(options, num_iterations, **fields)
+  num_iterations = options.num_iterations
   votes = jnp.asarray(votes)
   activations = jnp.asarray(activations)
   if votes.ndim < 3:
@@ -488,20 +597,19 @@ def em_routing(
   activations32 = activations.astype(votes32.dtype)
   beta_u32 = jnp.asarray(beta_u, votes32.dtype)
   beta_a32 = jnp.asarray(beta_a, votes32.dtype)
-  lambdas = _inverse_temperatures(inverse_temperature, num_iterations,
+  lambdas = _inverse_temperatures(options.inverse_temperature, num_iterations,
                                   votes32.dtype)
   votes32 = jnp.swapaxes(votes32, -3, -2)  # parent-major: [..., O, I, D]
-  if mass_epsilon is not None and not released:
-    raise ValueError('mass_epsilon applies with released=True only.')
   padded = None
-  if released:
-    padded = (RELEASED_CLASS_MASS_EPSILON if mass_epsilon is None
-              else float(mass_epsilon))
+  if options.released:
+    padded = (RELEASED_CLASS_MASS_EPSILON if options.mass_epsilon is None
+              else float(options.mass_epsilon))
   m_step = lambda log_r, lam, prev: em_m_step(  # noqa: E731
       votes32, activations32, log_r, beta_u32, beta_a32, lam, prev,
-      variance_epsilon=variance_epsilon, normalize_cost=normalize_cost,
-      center_momentum=center_momentum, activation_form=activation_form,
-      padded_mass_epsilon=padded)
+      variance_epsilon=options.variance_epsilon,
+      normalize_cost=options.normalize_cost,
+      center_momentum=options.center_momentum,
+      activation_form=options.activation_form, padded_mass_epsilon=padded)
 
   def iteration(t, state: EMRoutingState) -> EMRoutingState:
     poses, log_variances, activation_logits = m_step(

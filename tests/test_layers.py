@@ -355,7 +355,8 @@ def test_conv_capsules_match_loop_over_windows(options):
   dims = chex.Dimensions(B=2, H=7, W=5, C=2, O=3, P=4, Q=3, R=2)
   layer = layers.ConvCapsules(dims.C, dims.O, kernel_size, stride,
                               beta_u_init=0.2, beta_a_init=-0.1,
-                              rngs=nnx.Rngs(3), **options)
+                              em_routing=routing.EMRouting(**options),
+                              rngs=nnx.Rngs(3))
   poses, acts = _conv_caps_inputs(dims)
   out_poses, out_acts = jax.jit(layer.__call__)(poses, acts)
   chex.assert_shape(out_poses, dims['BQROPP'])
@@ -397,9 +398,10 @@ def _child_totals(assignments, height, width, kernel_size, stride, num_types):
 def test_conv_capsules_normalize_across_positions():
   kernel_size, stride = 3, 1
   dims = chex.Dimensions(B=2, H=5, W=6, C=2, O=3, P=4)
-  layer = layers.ConvCapsules(dims.C, dims.O, kernel_size, stride,
-                              normalize_across_positions=True,
-                              rngs=nnx.Rngs(4))
+  layer = layers.ConvCapsules(
+      dims.C, dims.O, kernel_size, stride,
+      em_routing=routing.EMRouting(normalize_across_positions=True),
+      rngs=nnx.Rngs(4))
   poses, acts = _conv_caps_inputs(dims)
   params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
   out = jax.jit(lambda p, a: layer(p, a))(poses, acts)
@@ -476,7 +478,7 @@ def test_conv_capsules_remat_and_bfloat16_votes():
 
 
 _NORMALIZERS = {'window': {}, 'across': {'normalize_across_positions': True},
-                'released': routing.RELEASED_EM}
+                'released': {'em_routing': routing.RELEASED_EM}}
 
 
 @pytest.mark.parametrize('chunk,normalizer', [
@@ -533,11 +535,13 @@ def test_window_chunk_size_default_and_validation():
 
 def test_conv_capsules_validate_arguments():
   with pytest.raises(ValueError, match='num_iterations'):
-    layers.ConvCapsules(2, 3, num_iterations=0, rngs=nnx.Rngs(0))
+    routing.EMRouting(num_iterations=0)
   with pytest.raises(ValueError, match='activation_form'):
-    layers.ConvCapsules(2, 3, activation_form='hinton', rngs=nnx.Rngs(0))
+    routing.EMRouting(activation_form='hinton')
   with pytest.raises(ValueError, match='one value per iteration'):
-    layers.ConvCapsules(2, 3, inverse_temperature=(1.0, 2.0),
+    routing.EMRouting(inverse_temperature=(1.0, 2.0))
+  with pytest.raises(ValueError, match='routing.EMRouting'):
+    layers.ConvCapsules(2, 3, em_routing={'num_iterations': 2},
                         rngs=nnx.Rngs(0))
   layer = layers.ConvCapsules(2, 3, kernel_size=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='larger than the input'):

@@ -11,6 +11,7 @@ from flax import nnx
 
 from capsjax import families
 from capsjax import models
+from capsjax import routing
 
 # Small widths: the full models are slow to compile and run on a CPU.
 SMALL_CAPSNET = dict(conv1_channels=16, primary_types=4,
@@ -303,20 +304,21 @@ def test_matrix_capsnet_options_reach_the_layers_on_mnist_shapes():
   # a second EM network (the layers' tests run these options for real).
   model = _abstract(
       'matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
-      init='authors', activation_form='authors',
-      normalize_across_positions=True, center_momentum=0.1,
-      normalize_cost=True, variance_epsilon=5e-4, remat=True,
-      votes_dtype=jnp.bfloat16, inverse_temperature=1.0,
+      init='authors', em_routing='authors',
+      em_routing_overrides={'normalize_across_positions': True,
+                            'normalize_cost': True,
+                            'inverse_temperature': 1.0}, remat=True,
+      votes_dtype=jnp.bfloat16,
       class_inverse_temperature=(0.001, 0.002, 0.003), **SMALL_MATRIX)
   assert model.grid_sizes == ((12, 5, 3), (12, 5, 3))
   for layer in (model.caps1, model.caps2):
-    assert layer.normalize_across_positions and layer.remat
+    assert layer.remat
     assert layer.votes_dtype == jnp.bfloat16
-    assert layer.routing_options == dict(
+    assert layer.em_routing == routing.EMRouting(
         num_iterations=3, inverse_temperature=1.0, variance_epsilon=5e-4,
         normalize_cost=True, center_momentum=0.1, activation_form='authors',
-        released=False)
-  assert model.class_caps.routing_options['inverse_temperature'] == (
+        normalize_across_positions=True)
+  assert model.class_caps.em_routing.inverse_temperature == (
       0.001, 0.002, 0.003)
   out = nnx.eval_shape(lambda m, x: m(x), model,
                        jax.ShapeDtypeStruct((2, 28, 28, 1), jnp.float32))
@@ -333,12 +335,12 @@ def test_matrix_capsnet_class_lambda_scale(inverse_temperature, expected):
   """The class layer's lambda is class_lambda_scale times the others' (the
   released code's final lambda / 4), whatever form lambda takes."""
   model = _abstract('matrix_capsnet', input_shape=(28, 28, 1),
-                    num_classes=10, inverse_temperature=inverse_temperature,
+                    num_classes=10, em_routing=routing.EMRouting(
+                        inverse_temperature=inverse_temperature),
                     class_lambda_scale=0.25, **SMALL_MATRIX)
-  assert model.caps2.routing_options['inverse_temperature'] == (
-      inverse_temperature)
+  assert model.caps2.em_routing.inverse_temperature == inverse_temperature
   np.testing.assert_allclose(
-      model.class_caps.routing_options['inverse_temperature'], expected,
+      model.class_caps.em_routing.inverse_temperature, expected,
       rtol=1e-12)
 
 
@@ -354,13 +356,19 @@ def test_matrix_capsnet_rejects_a_bad_inverse_temperature(bad):
 
 def test_matrix_capsnet_caps1_iterations_override_only_convcaps1():
   model = _abstract('matrix_capsnet', input_shape=(24, 24, 1), num_classes=10,
-                    num_iterations=2, caps1_iterations=1, **SMALL_MATRIX)
+                    em_routing='capsjax', caps1_iterations=1, **SMALL_MATRIX)
   assert model.grid_sizes == ((10, 4, 2), (10, 4, 2))
-  iterations = [layer.routing_options['num_iterations']
+  iterations = [layer.em_routing.num_iterations
                 for layer in (model.caps1, model.caps2, model.class_caps)]
   assert iterations == [1, 2, 2]
-  default = _abstract('matrix_capsnet', num_iterations=2, **SMALL_MATRIX)
-  assert default.caps1.routing_options['num_iterations'] == 2
+  default = _abstract('matrix_capsnet',
+                      em_routing_overrides={'num_iterations': 2},
+                      **SMALL_MATRIX)
+  assert default.caps1.em_routing.num_iterations == 2
+  # The flat routing options of older configs still build the same layers.
+  flat = _abstract('matrix_capsnet', num_iterations=2, normalize_cost=True,
+                   inverse_temperature=1.0, **SMALL_MATRIX)
+  assert flat.caps2.em_routing == routing.CAPSJAX_EM
 
 
 def test_matrix_capsnet_init_options():

@@ -9,6 +9,7 @@ each gradient is checked by the complex-step derivative of the reference
 along random directions (exact to rounding, no finite-difference error).
 """
 
+import dataclasses
 import math
 
 import jax
@@ -218,7 +219,7 @@ def test_released_class_routing(num_in, num_iterations):
   def ours(wx, acts, beta_a, beta_u):
     poses, out_acts, _ = routing.em_routing(
         wx, acts, beta_u, beta_a, num_iterations, inverse_temperature=lambdas,
-        **routing.RELEASED_EM)
+        options=routing.RELEASED_EM)
     return out_acts, poses
 
   _check(ours, lambda *a: released_class_routing(*a, lambdas),
@@ -243,7 +244,7 @@ def test_released_conv_routing(stride, true_stride, num_iterations):
     out_poses, out_acts, _ = layers.conv_capsule_routing(
         poses, acts, weights, beta_u, beta_a, stride=stride,
         num_iterations=num_iterations, inverse_temperature=lambdas,
-        true_stride=true_stride, **routing.RELEASED_EM)
+        true_stride=true_stride, em_routing=routing.RELEASED_EM)
     n = out_poses.shape[1]
     # -> the released layouts [B, O, n, n] and [B, O, 16, n, n].
     return (jnp.moveaxis(out_acts, 3, 1),
@@ -318,10 +319,12 @@ def test_released_preset_differs_from_the_paper_form():
   lambdas = _lambdas(3)
   released = routing.em_routing(wx, acts, betas, betas, 3,
                                 inverse_temperature=lambdas,
-                                **routing.RELEASED_EM)
+                                options=routing.RELEASED_EM)
   plain = routing.em_routing(
       wx, acts, betas, betas, 3, inverse_temperature=lambdas,
-      **{k: v for k, v in routing.RELEASED_EM.items() if k != 'released'})
+      options=routing.AUTHORS_EM)
+  assert routing.AUTHORS_EM == dataclasses.replace(routing.RELEASED_EM,
+                                                   released=False)
   assert np.max(np.abs(np.asarray(released[0]) - np.asarray(plain[0]))) > 1e-6
   with pytest.raises(ValueError, match='released=True only'):
     routing.em_routing(wx, acts, betas, betas, 3, mass_epsilon=1e-7)
@@ -338,7 +341,7 @@ def test_released_routing_is_finite_on_degenerate_inputs():
   def loss(poses, acts, weights):
     out_poses, out_acts, _ = layers.conv_capsule_routing(
         poses, acts, weights, betas, betas, stride=2, num_iterations=3,
-        inverse_temperature=_lambdas(3), **routing.RELEASED_EM)
+        inverse_temperature=_lambdas(3), em_routing=routing.RELEASED_EM)
     return jnp.sum(out_poses) + jnp.sum(out_acts)
 
   value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(poses, acts,
@@ -525,11 +528,11 @@ def test_released_coordinate_form_adds_the_authors_pixel_centres(
 def test_released_model_options():
   model = models.create_model(
       'matrix_capsnet', rngs=nnx.Rngs(0), A=8, B=4, C=4, D=4, init='authors',
-      primary_form='released', released_routing=True,
-      coordinate_form='released', activation_form='authors',
-      center_momentum=0.1, variance_epsilon=5e-4)
-  assert model.caps1.routing_options['released']
-  assert model.class_caps.routing_options['released']
+      primary_form='released', em_routing='released',
+      coordinate_form='released')
+  assert model.caps1.em_routing.released
+  assert model.class_caps.em_routing.released
+  assert model.caps2.em_routing == routing.RELEASED_EM
   assert model.class_caps.coordinate_order == 'col_row'
   np.testing.assert_array_equal(np.asarray(model.conv1.bias[...]),
                                 np.float32(0.1))
@@ -539,6 +542,13 @@ def test_released_model_options():
   assert np.abs(transforms).max() <= 0.6  # truncated at 2 x 0.3
   out = model(np.zeros((2, 32, 32, 1), np.float32))
   assert np.all(np.isfinite(np.asarray(out['class_scores'])))
-  with pytest.raises(ValueError, match='true_stride applies'):
+  with pytest.raises(ValueError, match='released=True only'):
     models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), A=8, B=4, C=4,
-                        D=4, true_stride=True)
+                        D=4, em_routing_overrides={'true_stride': True})
+  # Options of configs written before em_routing: the same model.
+  flat = models.create_model(
+      'matrix_capsnet', rngs=nnx.Rngs(0), A=8, B=4, C=4, D=4, init='authors',
+      primary_form='released', released_routing=True,
+      coordinate_form='released', activation_form='authors',
+      center_momentum=0.1, variance_epsilon=5e-4)
+  assert flat.caps2.em_routing == routing.RELEASED_EM

@@ -281,20 +281,20 @@ def test_authors_variant_builds_the_released_codes_routing(module):
   model = state_lib.create_model(config)
   schedule = routing.inverse_temperature_schedule(3)
   for layer in (model.caps1, model.caps2, model.class_caps):
-    options = layer.routing_options
-    assert options['num_iterations'] == 3
-    assert options['activation_form'] == 'authors'
-    assert options['center_momentum'] == pytest.approx(0.1)
-    assert options['variance_epsilon'] == pytest.approx(5e-4)
-    assert not options['normalize_cost']
-  assert model.caps1.routing_options['inverse_temperature'] is None
+    options = layer.em_routing
+    assert options.num_iterations == 3
+    assert options.activation_form == 'authors'
+    assert options.center_momentum == pytest.approx(0.1)
+    assert options.variance_epsilon == pytest.approx(5e-4)
+    assert not options.normalize_cost
+  assert model.caps1.em_routing == routing.RELEASED_EM
   np.testing.assert_allclose(
-      model.class_caps.routing_options['inverse_temperature'],
+      model.class_caps.em_routing.inverse_temperature,
       np.asarray(schedule) / 4, rtol=1e-12)
   for layer in (model.caps1, model.caps2, model.class_caps):
-    assert layer.routing_options['released']
-  assert not model.caps1.normalize_across_positions
-  assert not model.caps1.true_stride
+    assert layer.em_routing.released
+  assert not model.caps1.em_routing.normalize_across_positions
+  assert not model.caps1.em_routing.true_stride
   assert model.primary.form == 'released'
   assert model.class_caps.coordinate_order == 'col_row'
   np.testing.assert_array_equal(model.conv1.bias[...], np.float32(0.1))
@@ -309,21 +309,22 @@ def test_authors_variant_builds_the_released_codes_routing(module):
       0.88 * 0.01, rel=0.2)
 
   plain = state_lib.create_model(module.get_config('small'))
-  options = plain.caps2.routing_options
-  assert (options['activation_form'], options['center_momentum'],
-          options['variance_epsilon']) == ('paper', 0.0, routing.VARIANCE_FLOOR)
-  assert options['inverse_temperature'] == 1.0 and options['normalize_cost']
-  assert plain.class_caps.routing_options['inverse_temperature'] == 1.0
+  options = plain.caps2.em_routing
+  assert options == routing.CAPSJAX_EM
+  assert (options.activation_form, options.center_momentum,
+          options.variance_epsilon) == ('paper', 0.0, routing.VARIANCE_FLOOR)
+  assert options.inverse_temperature == 1.0 and options.normalize_cost
+  assert plain.class_caps.em_routing.inverse_temperature == 1.0
 
   # The class layer's scale follows an iteration count set after the variant.
   config = module.get_config('small,authors')
-  config.model_options.num_iterations = 2
+  config.model_options.em_routing_overrides.num_iterations = 2
   model = state_lib.create_model(config)
   np.testing.assert_allclose(
-      model.class_caps.routing_options['inverse_temperature'],
+      model.class_caps.em_routing.inverse_temperature,
       np.asarray(routing.inverse_temperature_schedule(2)) / 4, rtol=1e-12)
-  assert not plain.caps2.normalize_across_positions
-  assert not plain.caps2.routing_options['released']
+  assert not plain.caps2.em_routing.normalize_across_positions
+  assert not plain.caps2.em_routing.released
   assert plain.primary.form == 'paper'
   np.testing.assert_array_equal(plain.caps2.beta_a[...], 0.0)
 
@@ -343,9 +344,9 @@ def test_config_help_reads_a_config_with_a_variant():
   out = subprocess.run(
       [sys.executable, '-m', 'experiments.matrix_capsnet', '--config_help',
        '--config=experiments/configs/matrix_capsnet_mnist.py:smoke,authors',
-       '--config.model_options.center_momentum=0.2'], cwd=conftest.REPO,
+       '--config.model_options.class_lambda_scale=0.5'], cwd=conftest.REPO,
       capture_output=True, text=True, timeout=120, env=conftest.training_env())
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith('Matrix capsules with EM routing'), out.stdout
-  assert '\n  model_options.activation_form = "authors"' in out.stdout
-  assert '\n  model_options.center_momentum = 0.2' in out.stdout
+  assert '\n  model_options.em_routing = "released"' in out.stdout
+  assert '\n  model_options.class_lambda_scale = 0.5' in out.stdout

@@ -59,36 +59,29 @@ def em_defaults(config):
   # 'authors' on the smoke model: 95.98% mean validation accuracy over 2
   # seeds against 95.69% (results/em_mnist_routing_options).
   config.model_options.coordinate_form = 'authors'
-  # The released code's routing, primary capsules and coordinate order
+  # The released code's primary capsules and coordinate order
   # (authors_routing sets them; models.MatrixCapsNet documents them).
-  config.model_options.released_routing = False
   config.model_options.primary_form = 'paper'
-  # The conv-capsule E-step: False normalises each child's assignments
-  # within each K x K window (the paper's procedure, window by window);
-  # True across every parent that receives its votes (the released code).
-  # With the authors' coordinates, across positions gave 95.88% against
-  # 95.98%: within the windows stays the default.
-  config.model_options.normalize_across_positions = False
-  # capsjax's routing option set (results/em_mnist_routing_options): the paper's
-  # lambda schedule (0.01 (1 - 0.95^(t+1))) leaves every activation near
-  # sigmoid(0) at our cost scale, so nothing learns; cost normalisation with
-  # lambda = 1 keeps about half the capsules of every layer active at
-  # initialisation, transforms of std 1 keep the poses from shrinking to the
-  # variance floor layer by layer, and 3 iterations collapsed (training
-  # accuracy stuck at 10%) where 2 learned. The variant 'paper' restores the
-  # paper's options.
-  config.model_options.num_iterations = 2
+  # The routing of every EM layer: a preset of routing.EM_ROUTING_PRESETS
+  # ('paper', 'authors', 'released', 'capsjax'; docs/em_routing_options.md)
+  # and the fields to change in it, e.g. {'num_iterations': 3}. capsjax's
+  # set (results/em_mnist_routing_options): the paper's lambda schedule
+  # (0.01 (1 - 0.95^(t+1))) leaves every activation near sigmoid(0) at our
+  # cost scale, so nothing learns; cost normalisation with lambda = 1 keeps
+  # about half the capsules of every layer active at initialisation, and 3
+  # iterations collapsed (training accuracy stuck at 10%) where 2 learned.
+  # The rest is the paper's procedure with capsjax's variance floor (the
+  # paper prints none); its conv-capsule E-step normalises each child's
+  # assignments within each K x K window (normalize_across_positions, the
+  # released code's form, gave 95.88% against 95.98% with the authors'
+  # coordinates). The variants 'paper' and 'authors' name other presets.
+  config.model_options.em_routing = 'capsjax'
+  config.model_options.em_routing_overrides = {}
   # > 0: ConvCaps1's own number of iterations.
   config.model_options.caps1_iterations = 0
-  config.model_options.normalize_cost = True
-  config.model_options.inverse_temperature = 1.0
+  # Transforms of std 1 keep the poses from shrinking to the variance floor
+  # layer by layer (with capsjax's routing).
   config.model_options.transform_std = 1.0
-  # The remaining routing options: the paper's procedure with capsjax's
-  # variance floor (the paper prints none); the variant 'authors' sets the
-  # released code's values (authors_routing).
-  config.model_options.activation_form = 'paper'
-  config.model_options.center_momentum = 0.0
-  config.model_options.variance_epsilon = 1e-4
   config.model_options.init = 'paper'
   # The class layer's lambda is this times the other layers' (released
   # code: 0.25).
@@ -97,10 +90,9 @@ def em_defaults(config):
 
 
 def paper_routing(config):
-  """The paper's routing options: 3 iterations, its lambda schedule."""
-  config.model_options.num_iterations = 3
-  config.model_options.normalize_cost = False
-  config.model_options.inverse_temperature = None
+  """The paper's routing options (the preset 'paper': 3 iterations, its
+  lambda schedule) and transforms of the default std."""
+  config.model_options.em_routing = 'paper'
   config.model_options.transform_std = None
   return config
 
@@ -108,8 +100,9 @@ def paper_routing(config):
 def authors_routing(config):
   """The released code's model and routing (google-research capsule_em).
 
-  The paper's 3 iterations and lambda schedule, plus (each a model option;
-  ``routing.RELEASED_EM`` and ``models.MatrixCapsNet`` document them): its
+  The routing preset 'released' (``routing.RELEASED_EM``: the paper's 3
+  iterations and lambda schedule plus the released code's options) and
+  the model options (``models.MatrixCapsNet`` documents them): its
   activation logit lambda (-mass (sum_h log var_h + 16 beta_u (log 2 pi +
   1)) - 5000 beta_a), final lambda / 4 in the class layer, mu = 0.9 new +
   0.1 old, the variance floor 0.0005, the mass padded by 1e-5 (class) /
@@ -121,13 +114,9 @@ def authors_routing(config):
   beta 0.5 / 1.0, 2.0, Conv1 0.05 with bias 0.1).
   """
   paper_routing(config)
+  config.model_options.em_routing = 'released'
   config.model_options.class_lambda_scale = 0.25
-  config.model_options.activation_form = 'authors'
-  config.model_options.center_momentum = 0.1
-  config.model_options.variance_epsilon = 5e-4
   config.model_options.init = 'authors'
-  config.model_options.normalize_across_positions = False
-  config.model_options.released_routing = True
   config.model_options.primary_form = 'released'
   config.model_options.coordinate_form = 'released'
   return config
@@ -168,13 +157,13 @@ def get_config(variant: str = ''):
   for part in filter(None, variant.split(',')):
     if part == 'smoke':
       # The CI test's model (tests/test_training_matrix_capsules.py): two EM
-      # iterations in every layer (the E-step runs), 1500 steps of batch 32
-      # in 70-73 s of training on an idle 2-core CPU (4 host devices): 96.52% test
-      # accuracy (96.98% validation), seed 1 96.46% (96.84%); 96.81% at the
-      # current code (results/em_mnist_smoke). 1035 steps gave 95.16% test
-      # (seed 1 94.91%, under the claim); with the schedule unchanged the
-      # margin ends at 0.9 by step 825 and the learning rate keeps
-      # decaying. So that CI's slower machine (its speed
+      # iterations in every layer (capsjax's routing: the E-step runs), 1500
+      # steps of batch 32 in 70-73 s of training on an idle 2-core CPU (4
+      # host devices): 96.52% test accuracy (96.98% validation), seed 1
+      # 96.46% (96.84%); 96.81% at the current code (results/em_mnist_smoke).
+      # 1035 steps gave 95.16% test (seed 1 94.91%, under the claim); with
+      # the schedule unchanged the margin ends at 0.9 by step 825 and the
+      # learning rate keeps decaying. So that CI's slower machine (its speed
       # varied 1.7x within an hour here) stays inside the 280 s guard:
       # - the central 24x24 of each digit: ConvCaps1 routes 4x4 windows
       #   instead of 5x5, ConvCaps2 2x2 instead of 3x3;
@@ -186,7 +175,6 @@ def get_config(variant: str = ''):
       config.model_options.B = 4
       config.model_options.C = 8
       config.model_options.D = 8
-      config.model_options.num_iterations = 2
       config.model_options.input_shape = (24, 24, 1)
       config.center_crop = 24
       config.num_train_steps = 1500

@@ -125,7 +125,6 @@ def _smoke(config, family):
     config.model_options.B = 4
     config.model_options.C = 8
     config.model_options.D = 8
-    config.model_options.num_iterations = 2
     config.learning_rate = 1e-2
     config.lr_decay_steps = 100
     config.lr_decay_rate = 0.85
