@@ -362,7 +362,10 @@ def _em_layer_routings(
     raise ValueError(f'em_routing must be a preset name ('
                      f'{", ".join(routing.EM_ROUTING_PRESETS)}) or a '
                      f'routing.EMRouting, got {em_routing!r}.')
-  conv = dataclasses.replace(em_routing, **dict(overrides or {}))
+  # None leaves the preset's value (configs list every field, unset).
+  conv = dataclasses.replace(em_routing, **{
+      key: value for key, value in dict(overrides or {}).items()
+      if value is not None})
   if (isinstance(caps1_iterations, bool) or
       not isinstance(caps1_iterations, int) or caps1_iterations < 0):
     raise ValueError(f'caps1_iterations must be a positive int (or 0: '

@@ -431,6 +431,7 @@ def test_config_is_the_authors_protocol_and_smoke_differs_as_stated():
     np.testing.assert_allclose(
         float(schedule(step)), max(5e-4 * 0.97**epoch, 5e-5), rtol=1e-5)
   smoke = efficient_capsnet_mnist.get_config('smoke')
+  config = efficient_capsnet_mnist.get_config()  # unfilled, as smoke
   differ = {k for k in config if config[k] != smoke[k]}
   assert differ == {'batch_size', 'num_train_steps', 'learning_rate',
                     'lr_decay_steps', 'lr_decay_rate', 'lr_staircase',

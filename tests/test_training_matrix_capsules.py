@@ -115,7 +115,11 @@ def check_smoke_em(workdir):
   fails here rather than passing a weaker claim.
   """
   smoke = matrix_capsnet_mnist.get_config('smoke')
-  assert smoke.model_options.num_iterations >= 2
+  from capsjax import routing
+  iterations = (smoke.model_options.em_routing_overrides.num_iterations or
+                routing.em_routing_preset(
+                    smoke.model_options.em_routing).num_iterations)
+  assert iterations >= 2
   assert smoke.model_options.caps1_iterations in (0, 2, 3)
   summary = json.load(open(workdir / 'summary.json'))
   print(json.dumps(summary, indent=1))

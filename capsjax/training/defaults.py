@@ -39,6 +39,10 @@ DEFAULTS: dict[str, Any] = {
     'margin_steps': 50_000,
     # No time limit.
     'max_train_seconds': 0.0,
+    # A continuous learning-rate decay with no floor; no extra augmentation.
+    'lr_staircase': False,
+    'min_learning_rate': 0.0,
+    'augment': '',
     # All local devices.
     'num_devices': 0,
     # smallNORB pixels scaled to [0, pixel_max].

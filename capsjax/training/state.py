@@ -41,12 +41,13 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   with ``config.lr_staircase`` the exponent is floor(step / decay_steps)
   (a decay per epoch, as Keras' LearningRateScheduler), and never below
   ``config.min_learning_rate`` (0: no floor)."""
+  fill_defaults(config)
   return optax.exponential_decay(
       init_value=config.learning_rate,
       transition_steps=config.lr_decay_steps,
       decay_rate=config.lr_decay_rate,
-      staircase=config.get('lr_staircase', False),
-      end_value=config.get('min_learning_rate') or None)
+      staircase=config.lr_staircase,
+      end_value=config.min_learning_rate or None)
 
 
 def make_optimizer(config: ml_collections.ConfigDict

@@ -63,7 +63,7 @@ def preprocess(config: ml_collections.ConfigDict, images: jax.Array,
   """
   if config.dataset not in ('cifar10', 'smallnorb'):
     images = state_lib.digit_inputs(images, key, config.max_shift)
-    if key is not None and config.get('augment') == 'efficient_capsnet':
+    if key is not None and fill_defaults(config).augment == 'efficient_capsnet':
       images = data_lib.efficient_capsnet_augment(
           jax.random.fold_in(key, 2), images)
     return images

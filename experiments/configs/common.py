@@ -37,11 +37,20 @@ def base_config() -> ml_collections.ConfigDict:
   config.lr_decay_steps = 2000
   # See lr_decay_steps.
   config.lr_decay_rate = 0.96
+  # True: the decay in whole periods (floor(step / lr_decay_steps), a decay
+  # per epoch as Keras' LearningRateScheduler).
+  config.lr_staircase = False
+  # The rate never falls below this (0: no floor).
+  config.min_learning_rate = 0.0
   # Adam's epsilon: optax's 1e-8 (TF's and Keras' is 1e-7).
   config.adam_epsilon = 1e-8
   # Training images are shifted by up to this many pixels in each
   # direction, zero-padded (the papers' MNIST augmentation; 0: none).
   config.max_shift = 2
+  # The dynamic-routing family's other training augmentation:
+  # 'efficient_capsnet' (Efficient-CapsNet's rotation, shift, squeeze and
+  # erase, data.efficient_capsnet_augment) or '' (none).
+  config.augment = ''
   # Steps between metric lines (metrics.jsonl, TensorBoard, the bar).
   config.log_every_steps = 100
   # Steps between validations (the model is selected on them).

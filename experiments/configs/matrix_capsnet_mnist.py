@@ -11,8 +11,28 @@ paper's routing options instead of capsjax's; see em_defaults), authors
 authors_routing and authors_protocol).
 """
 
+import ml_collections
+from ml_collections.config_dict import placeholder
+
 from experiments.configs import common
 
+
+def em_routing_overrides() -> ml_collections.ConfigDict:
+  """A field of routing.EMRouting for each key, None (the preset's value)
+  until set; typed, so that the command line can set them. A per-iteration
+  inverse temperature is a tuple set in a config file."""
+  return ml_collections.ConfigDict({
+      'num_iterations': placeholder(int),
+      'inverse_temperature': placeholder(float),
+      'variance_epsilon': placeholder(float),
+      'normalize_cost': placeholder(bool),
+      'center_momentum': placeholder(float),
+      'activation_form': placeholder(str),
+      'released': placeholder(bool),
+      'mass_epsilon': placeholder(float),
+      'normalize_across_positions': placeholder(bool),
+      'true_stride': placeholder(bool),
+  })
 
 def em_defaults(config):
   """The EM-model training defaults (the authors' optimiser and loss)."""
@@ -64,7 +84,8 @@ def em_defaults(config):
   config.model_options.primary_form = 'paper'
   # The routing of every EM layer: a preset of routing.EM_ROUTING_PRESETS
   # ('paper', 'authors', 'released', 'capsjax'; docs/em_routing_options.md)
-  # and the fields to change in it, e.g. {'num_iterations': 3}. capsjax's
+  # and the fields to change in it (each None: the preset's), e.g.
+  # --config.model_options.em_routing_overrides.num_iterations=3. capsjax's
   # set (results/em_mnist_routing_options): the paper's lambda schedule
   # (0.01 (1 - 0.95^(t+1))) leaves every activation near sigmoid(0) at our
   # cost scale, so nothing learns; cost normalisation with lambda = 1 keeps
@@ -76,7 +97,7 @@ def em_defaults(config):
   # released code's form, gave 95.88% against 95.98% with the authors'
   # coordinates). The variants 'paper' and 'authors' name other presets.
   config.model_options.em_routing = 'capsjax'
-  config.model_options.em_routing_overrides = {}
+  config.model_options.em_routing_overrides = em_routing_overrides()
   # > 0: ConvCaps1's own number of iterations.
   config.model_options.caps1_iterations = 0
   # Transforms of std 1 keep the poses from shrinking to the variance floor
