@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from capsjax import attention_routing
 from capsjax import conv
 from capsjax import em_kernel
 from capsjax import flops as flops_lib
@@ -57,6 +58,17 @@ ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
     'em_convcaps1_kernel': ('em_kernel', lambda b: (b, 6, 6, 288, 32, 16)),
     # Class capsules of that model: 4x4 grid x 32 types = 512 -> 5 classes.
     'em_class': ('em', lambda b: (b, 512, 5, 16)),
+    # The other routings on the DigitCaps votes, to compare like with like:
+    # Su's non-accumulating dynamic routing, Efficient-CapsNet's
+    # self-attention routing (non-iterative) and the inverted dot-product
+    # attention routing (its LayerNorm, --num_iterations passes).
+    'su_digitcaps': ('su', lambda b: (b, 1152, 10, 16)),
+    'em_digitcaps': ('em', lambda b: (b, 1152, 10, 16)),
+    'self_attention_digitcaps': ('self_attention',
+                                 lambda b: (b, 1152, 10, 16)),
+    'inverted_digitcaps': ('inverted', lambda b: (b, 1152, 10, 16)),
+    # Efficient-CapsNet's own FCCaps: 16 primary capsules -> 10 x 16-D.
+    'self_attention_efficient': ('self_attention', lambda b: (b, 16, 10, 16)),
 }
 # Datasets stored larger than the model's input: smallNORB at 48x48
 # (capsjax.data.smallnorb), CIFAR-10 at 32x32; the steps crop them.
@@ -593,6 +605,9 @@ def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
     return (forward, jax.grad(loss, argnums=(0, 1)),
             (poses, activations.reshape(poses.shape[:2])), cost)
   votes = jax.random.normal(key_v, shape, jnp.float32).astype(dtype)
+  if kind in ('su', 'self_attention', 'inverted'):
+    return _attention_or_su_functions(kind, shape, num_iterations, votes,
+                                      jnp.dtype(dtype).itemsize)
   if kind == 'dynamic':
     bias = 0.1 * jax.random.normal(key_b, (num_out, dim), jnp.float32)
     forward = lambda v, b: routing.dynamic_routing(v, num_iterations, bias=b)
@@ -610,6 +625,31 @@ def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
   cost = functools.partial(flops_lib.em_routing_cost, shape, num_iterations,
                            dtype_bytes=jnp.dtype(dtype).itemsize)
   return forward, backward, (votes, activations), cost
+
+
+def _attention_or_su_functions(kind: str, shape: tuple[int, ...],
+                               num_iterations: int, votes: jax.Array,
+                               dtype_bytes: int
+                               ) -> tuple[Callable, Callable, tuple, Any]:
+  """``routing_functions`` for Su's routing (non-accumulating, squash
+  constant 0.5) and the two attention routings; the gradient is the votes'."""
+  if kind == 'su':
+    forward = lambda v: routing.dynamic_routing(  # noqa: E731
+        v, num_iterations, accumulate=False, squash_constant=0.5)
+    cost = functools.partial(flops_lib.dynamic_routing_cost, shape,
+                             num_iterations, accumulate=False,
+                             dtype_bytes=dtype_bytes)
+  elif kind == 'self_attention':
+    forward = attention_routing.self_attention_routing
+    cost = functools.partial(flops_lib.self_attention_routing_cost, shape,
+                             dtype_bytes=dtype_bytes)
+  else:
+    forward = lambda v: attention_routing.inverted_dot_product_routing(  # noqa: E731
+        v, num_iterations)
+    cost = functools.partial(flops_lib.inverted_dot_product_routing_cost,
+                             shape, num_iterations, dtype_bytes=dtype_bytes)
+  loss = lambda v: jnp.sum(forward(v)[0].astype(jnp.float32))  # noqa: E731
+  return forward, jax.grad(loss), (votes,), cost
 
 
 def benchmark_routing(case: str, *, batch_size: int, num_iterations: int = 3,

@@ -114,6 +114,21 @@ def test_routing_only_rows(tmp_path):
   assert 'dynamic_digitcaps (T=1) | forward |' in table
 
 
+def test_every_routing_case_counts_what_xla_counts():
+  """Each routing case's analytic forward flops within 15% of XLA's own
+  count of the compiled pass (the routings table in docs/routings.md rests
+  on them), for Su's and the attention routings too."""
+  rows = harness.run(
+      model='', routing_only=True, batch_size=1, steps=1, warmup=0,
+      routing_cases=['su_digitcaps', 'self_attention_digitcaps',
+                     'inverted_digitcaps', 'self_attention_efficient'],
+      peak_gflops=50.0, bandwidth_gbs=10.0, log=lambda _: None)
+  assert len(rows) == 8
+  for row in rows:
+    if row['pass'] == 'forward':
+      assert abs(row['flops_analytic'] / row['flops_xla'] - 1) < 0.15, row
+
+
 def test_config_resolution_and_shapes():
   config = harness.configure('matrix_capsnet_smallnorb:small', batch_size=4)
   assert config.model == 'matrix_capsnet' and config.batch_size == 4
