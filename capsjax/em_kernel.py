@@ -1,12 +1,12 @@
 """EM routing of convolutional capsule windows as one fused CPU kernel.
 
-``layers.conv_capsule_routing`` routes every K x K window of child capsules
-on its own (unless an E-step normaliser couples the windows). On a CPU the
-fastest way to do that is one window at a time, its votes computed from the
-window's poses and kept in the core's cache through every pass of every
-iteration, forward and backward: ``csrc/em_routing.cc``, an XLA FFI call
-compiled on first use with the machine's C++ compiler (about 3 s, once per
-source, jaxlib version and CPU, into ``$CAPSJAX_CACHE_DIR``, else
+``capsule_routing.conv_capsule_routing`` routes every K x K window of child
+capsules on its own (unless an E-step normaliser couples the windows). On a
+CPU the fastest way to do that is one window at a time, its votes computed
+from the window's poses and kept in the core's cache through every pass of
+every iteration, forward and backward: ``csrc/em_routing.cc``, an XLA FFI
+call compiled on first use with the machine's C++ compiler (about 3 s, once
+per source, jaxlib version and CPU, into ``$CAPSJAX_CACHE_DIR``, else
 ``~/.cache/capsjax``). Its gradient is a second call that recomputes each
 window's forward pass and applies the hand-derived reverse of every step;
 the tests check both against a float64 NumPy reference and against

@@ -14,7 +14,8 @@ transforms.
 
 Initialisation (see each layer):
 - Convolutions: Flax's default, lecun normal kernels and zero biases
-  (``kernel_init=glorot_uniform`` is Keras' default, for Su's models).
+  (``kernel_init=nn.glorot_uniform`` is Keras' default, for Su's models;
+  the initialisers are in ``capsjax.nn``).
 - Vector capsules (Sabour et al. 2017): the official code
   (Sarasra/models, research/capsules) draws capsule transforms from TF's
   truncated normal with stddev 0.1 and sets the routing bias to 0.1;
@@ -36,7 +37,6 @@ Initialisation (see each layer):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -47,13 +47,13 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from capsjax import attention_routing
-from capsjax import em_kernel
+from capsjax import capsule_routing
+from capsjax import nn
 from capsjax import routing
 from capsjax import votes as votes_lib
 from capsjax.conv import CONV_IMPLS
 from capsjax.conv import conv2d
 from capsjax.conv import dot_general as conv_dot_general
-from capsjax.conv.products import sum_rows_float32
 
 # The authors' released initialisation for matrix capsule layers
 # (google-research capsule_em: conv_capsule_mat / connector_capsule_mat).
@@ -68,79 +68,11 @@ AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'transform_init': 'truncated',
 OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_CONV1_STD = 0.05
 OFFICIAL_BIAS_INIT = 0.1
-
-
-
-# Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
-# random-bits program for a many-axis shape compiles 5-10x slower (seconds
-# per parameter) than for the same number of values in one axis.
-# Truncated normals cut at 2 std, as TF's truncated_normal_initializer.
-_TRUNCATED_STD = 0.87962566103423978  # std of a unit normal cut at +-2
-
-
-def normal_init(std: float):
-  """Normal(0, std^2) initialiser: (key, shape, dtype) -> array."""
-  def init(key, shape, dtype=jnp.float32):
-    size = math.prod(shape)
-    return std * jax.random.normal(key, (size,), dtype).reshape(shape)
-  return init
-
-
-def truncated_normal_init(std: float):
-  """TF's truncated_normal_initializer(stddev=std): a N(0, std^2) cut at 2 std."""
-  def init(key, shape, dtype=jnp.float32):
-    size = math.prod(shape)
-    return std * jax.random.truncated_normal(key, -2.0, 2.0, (size,),
-                                             dtype).reshape(shape)
-  return init
-
-
-def lecun_normal(key, shape, dtype=jnp.float32):
-  """Flax's default kernel initialiser: variance 1 / fan_in, truncated.
-
-  fan_in is the product of every axis but the last (K*K*Cin for a conv).
-  """
-  fan_in = math.prod(shape[:-1])
-  std = 1.0 / math.sqrt(fan_in) / _TRUNCATED_STD
-  return truncated_normal_init(std)(key, shape, dtype)
-
-
-def glorot_uniform(key, shape, dtype=jnp.float32):
-  """Keras' default kernel initialiser: U(-l, l), l = sqrt(6 / (fan_in + fan_out)).
-
-  For a conv kernel [K, K, Cin, Cout]: fan_in = K*K*Cin, fan_out = K*K*Cout;
-  for a dense [Din, Dout]: Din and Dout (Keras' ``_compute_fans``).
-  """
-  receptive = math.prod(shape[:-2])
-  limit = math.sqrt(6.0 / (receptive * (shape[-2] + shape[-1])))
-  return jax.random.uniform(key, shape, dtype, -limit, limit)
-
-
-def he_normal(key, shape, dtype=jnp.float32):
-  """Keras' he_normal: variance 2 / fan_in, a normal cut at 2 std.
-
-  fan_in is the product of every axis but the last: K*K*Cin for a conv,
-  Din for a dense layer, I*O*Din for capsule transforms [I, O, Din, Dout]
-  (Keras' ``_compute_fans`` gives the same for all three).
-  """
-  std = math.sqrt(2.0 / math.prod(shape[:-1])) / _TRUNCATED_STD
-  return truncated_normal_init(std)(key, shape, dtype)
-
-
-def glorot_normal(key, shape, dtype=jnp.float32):
-  """Keras' glorot_normal: variance 2 / (fan_in + fan_out), a normal cut at
-  2 std (fans as in ``glorot_uniform``)."""
-  receptive = math.prod(shape[:-2])
-  std = math.sqrt(2.0 / (receptive * (shape[-2] + shape[-1]))) / _TRUNCATED_STD
-  return truncated_normal_init(std)(key, shape, dtype)
-
-
-KERNEL_INITS = {'lecun_normal': lecun_normal, 'glorot_uniform': glorot_uniform}
 # The released EM code's first convolution (capsule_em): truncated normal
 # std 0.05, bias 0.1.
-AUTHORS_CONV1_INIT = {'kernel_init': truncated_normal_init(0.05),
+AUTHORS_CONV1_INIT = {'kernel_init': nn.truncated_normal_init(0.05),
                       'bias_init': 0.1}
-_default_kernel_init = lecun_normal
+_default_kernel_init = nn.lecun_normal
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -165,64 +97,6 @@ def _check_iterations(num_iterations) -> None:
     raise ValueError(
         f'num_iterations must be a positive int (routing iterations are '
         f'unrolled statically), got {num_iterations!r}.')
-
-
-def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
-  """y + bias along the last axis: y [..., F], bias [F] -> [..., F] in y's dtype.
-
-  The bias gradient, the cotangent summed over every other axis, is
-  accumulated in float32, or float64 where the cotangent is float64. Left
-  to autodiff, a bfloat16 bias sums its gradient in bfloat16 on XLA:CPU:
-  over a batch-128 26x26 convolution output that sum was off by 19% of its
-  norm, and took about 10x as long as the float32 sum. (Where y and bias
-  are both float32 or both float64 this is plain addition, autodiff summing
-  in their dtype; else a custom VJP: reverse mode only, as training uses
-  it.)
-  """
-  if y.dtype == bias.dtype == jnp.promote_types(y.dtype, jnp.float32):
-    return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))  # autodiff's own sum
-  return _add_bias_f32_sum(y, bias)
-
-
-@jax.custom_vjp
-def _add_bias_f32_sum(y: jax.Array, bias: jax.Array) -> jax.Array:
-  return y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
-
-
-def _add_bias_fwd(y, bias):
-  return _add_bias_f32_sum(y, bias), bias  # [F]: only its dtype is needed
-
-
-def _sum_rows(dy: jax.Array) -> jax.Array:
-  """dy [..., F] summed over every axis but the last: [F], in float32, or
-  float64 for a float64 dy (``sum_rows_float32`` would round it)."""
-  if jnp.promote_types(dy.dtype, jnp.float32) != jnp.float32:
-    return jnp.sum(dy, axis=tuple(range(dy.ndim - 1)))
-  return sum_rows_float32(dy)
-
-
-def _add_bias_bwd(bias, dy):
-  return dy, _sum_rows(dy).astype(bias.dtype)
-
-
-_add_bias_f32_sum.defvjp(_add_bias_fwd, _add_bias_bwd)
-
-
-def average_pool_2x2(x: jax.Array) -> jax.Array:
-  """Keras' AveragePooling2D(2): [B, H, W, C] -> [B, H // 2, W // 2, C] (an
-  odd last row or column dropped).
-
-  Four strided slices summed, which XLA:CPU fuses with the ReLU before it
-  into one loop; a reshape and mean becomes a YNNPACK reduction, for which
-  XLA materialises its operands, zeros included (Su's capsule model trained
-  1.02x faster at batch 128 with the slices: BENCHMARKS.md).
-  Summed in float32 for bfloat16 inputs.
-  """
-  h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
-  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  total = ((wide[:, 0:h:2, 0:w:2] + wide[:, 0:h:2, 1:w:2]) +
-           (wide[:, 1:h:2, 0:w:2] + wide[:, 1:h:2, 1:w:2]))
-  return (0.25 * total).astype(x.dtype)
 
 
 class Conv2D(nnx.Module):
@@ -267,7 +141,7 @@ class Conv2D(nnx.Module):
     if self.scale != 1.0:
       y = self.scale * y
     if self.bias is not None:
-      y = add_bias(y, self.bias[...])
+      y = nn.add_bias(y, self.bias[...])
     return y
 
 
@@ -360,7 +234,7 @@ class DenseCapsules(nnx.Module):
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
     self.normalize_agreement = normalize_agreement
-    self.weights = nnx.Param(truncated_normal_init(transform_std)(
+    self.weights = nnx.Param(nn.truncated_normal_init(transform_std)(
         rngs.params(), (in_caps, out_caps, in_dim, out_dim)))
     self.bias = (nnx.Param(jnp.full((out_caps, out_dim), bias_init, jnp.float32))
                  if use_bias else None)
@@ -421,29 +295,6 @@ class SharedCapsules(nnx.Module):
 # EscVM/Efficient-CapsNet, utils/layers.py).
 
 
-def depthwise_conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
-                     padding: str = 'VALID') -> jax.Array:
-  """Depthwise convolution, NHWC: channel c convolved with its own kernel.
-
-  Keras' ``Conv2D(C, K, groups=C)`` on C channels (one output channel per
-  input channel): out[b, i, j, c] = sum_{u, v} x[b, s i + u, s j + v, c]
-  kernel[u, v, 0, c].
-
-  Args:
-    x: [B, H, W, C].
-    kernel: [K, K, 1, C].
-  Returns:
-    [B, H', W', C], H' = (H - K) // stride + 1 with 'VALID' padding.
-  """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
-  if kernel.ndim != 4 or kernel.shape[2] != 1 or kernel.shape[3] != x.shape[-1]:
-    raise ValueError(f'depthwise_conv2d: kernel must be [K, K, 1, C] with C = '
-                     f'{x.shape[-1]} (the input channels), got {kernel.shape}.')
-  return jax.lax.conv_general_dilated(
-      x, kernel, (stride, stride), padding,
-      dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
-      feature_group_count=x.shape[-1])
-
 
 class DepthwisePrimaryCapsules(nnx.Module):
   """Efficient-CapsNet's primary capsules (the authors' ``PrimaryCaps``):
@@ -466,7 +317,7 @@ class DepthwisePrimaryCapsules(nnx.Module):
       raise ValueError(f'in_features ({in_features}) must be a multiple of '
                        f'the capsule dim ({dim}).')
     self.dim, self.kernel_size, self.stride = dim, kernel_size, stride
-    self.kernel = nnx.Param(glorot_uniform(
+    self.kernel = nnx.Param(nn.glorot_uniform(
         rngs.params(), (kernel_size, kernel_size, 1, in_features)))
     self.bias = nnx.Param(jnp.zeros((in_features,), jnp.float32))
 
@@ -477,7 +328,7 @@ class DepthwisePrimaryCapsules(nnx.Module):
     return rows * cols * self.kernel.shape[-1] // self.dim
 
   def __call__(self, x: ArrayLike) -> jax.Array:
-    y = add_bias(depthwise_conv2d(x, self.kernel[...], self.stride),
+    y = nn.add_bias(nn.depthwise_conv2d(x, self.kernel[...], self.stride),
                  self.bias[...])
     y = y.reshape(y.shape[0], -1, self.dim)  # [B, H'*W'*C/dim, dim]
     return attention_routing.efficient_squash(y)
@@ -499,7 +350,7 @@ class SelfAttentionCapsules(nnx.Module):
     for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
                         ('out_caps', out_caps), ('out_dim', out_dim)):
       _check_positive_int(name, value)
-    self.weights = nnx.Param(he_normal(rngs.params(),
+    self.weights = nnx.Param(nn.he_normal(rngs.params(),
                                        (in_caps, out_caps, in_dim, out_dim)))
     self.log_priors = nnx.Param(jnp.zeros((in_caps, out_caps), jnp.float32))
 
@@ -511,11 +362,6 @@ class SelfAttentionCapsules(nnx.Module):
 
 # ----------------------------------------------------------------------------
 # Matrix capsules (Hinton et al. 2018).
-
-
-def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-  """[..., Cin] @ [Cin, F] + [F], broadcast explicitly (no rank promotion)."""
-  return add_bias(jnp.einsum('...c,cf->...f', x, kernel), bias)
 
 
 class MatrixPrimaryCapsules(nnx.Module):
@@ -554,8 +400,9 @@ class MatrixPrimaryCapsules(nnx.Module):
     if form != 'paper':
       pose_key, activation_key = rngs.params(), rngs.params()
       self.kernel = nnx.Param(jnp.concatenate([
-          truncated_normal_init(0.5)(pose_key, (in_features, poses)),
-          truncated_normal_init(3.0)(activation_key, (in_features, num_types)),
+          nn.truncated_normal_init(0.5)(pose_key, (in_features, poses)),
+          nn.truncated_normal_init(3.0)(activation_key,
+                                        (in_features, num_types)),
       ], axis=-1))
       return
     self.pose_kernel = nnx.Param(_default_kernel_init(
@@ -578,9 +425,9 @@ class MatrixPrimaryCapsules(nnx.Module):
         poses, logits = y[..., :p * p], y[..., p * p]
       poses = poses.reshape(lead + (types, p, p))
       return poses, jax.nn.sigmoid(logits - 1.0)
-    poses = _dense(x, self.pose_kernel[...], self.pose_bias[...])
+    poses = nn.dense(x, self.pose_kernel[...], self.pose_bias[...])
     poses = poses.reshape(x.shape[:-1] + (self.num_types, p, p))
-    logits = _dense(x, self.activation_kernel[...], self.activation_bias[...])
+    logits = nn.dense(x, self.activation_kernel[...], self.activation_bias[...])
     return poses, jax.nn.sigmoid(logits)
 
 
@@ -590,270 +437,6 @@ def _check_em_routing(em_routing) -> routing.EMRouting:
                      f'routing.EM_ROUTING_PRESETS), got {em_routing!r}.')
   return em_routing
 
-
-def _transform_init(rngs: nnx.Rngs, shape: Sequence[int], pose_size: int,
-                    transform_std: float | None, transform_init: str = 'normal'
-                    ) -> jax.Array:
-  """A normal (or, 'truncated', TF's truncated normal: the released code's)
-  with std ``transform_std``, default 1/sqrt(pose_size)."""
-  std = 1.0 / math.sqrt(pose_size) if transform_std is None else transform_std
-  if transform_init not in ('normal', 'truncated'):
-    raise ValueError(f"transform_init must be 'normal' or 'truncated', got "
-                     f'{transform_init!r}.')
-  init = truncated_normal_init if transform_init == 'truncated' else normal_init
-  return init(std)(rngs.params(), tuple(shape))
-
-
-# On a CPU, conv_capsule_routing routes the windows in chunks whose votes
-# take about this many bytes, so that one chunk's votes and their routing
-# temporaries (about 6 votes-sized tensors forward and backward) stay in
-# the caches instead of streaming the whole layer's through memory each
-# pass: 3 windows of the paper EM model's conv capsule layers (288 x 32 x
-# 16 float32 votes each; benchmarks/em_memory.py times other sizes).
-WINDOW_CHUNK_BYTES = 2**21
-
-
-def _check_window_chunk(window_chunk) -> None:
-  if window_chunk is not None and (
-      isinstance(window_chunk, bool) or not isinstance(window_chunk, int)
-      or window_chunk < 0):
-    raise ValueError(f'window_chunk must be None or an int >= 0, got '
-                     f'{window_chunk!r}.')
-
-
-def window_chunk_size(window_chunk: int | None, votes_per_window: int,
-                      dtype) -> int:
-  """Windows per chunk: ``window_chunk`` (0: all at once) or, for None,
-  the CPU's default (``WINDOW_CHUNK_BYTES`` of votes; all at once on an
-  accelerator, where one chunk at a time would leave it idle)."""
-  _check_window_chunk(window_chunk)
-  if window_chunk is not None:
-    return window_chunk
-  if jax.default_backend() != 'cpu':
-    return 0
-  return max(1, WINDOW_CHUNK_BYTES
-             // (votes_per_window * jnp.dtype(dtype).itemsize))
-
-
-def _chunk_shape(batch: int, positions: int, window_chunk: int,
-                 whole_images: bool) -> tuple[int, int]:
-  """(images, positions) per chunk of about ``window_chunk`` windows.
-
-  The images per chunk divide the batch and, where the batch allows, are a
-  multiple of the device count: a batch sharded over the devices then
-  stays sharded inside every chunk, and the chunks run over unsharded
-  axes (mapping over a sharded axis made a 4-device train step 4x
-  slower).
-  """
-  if whole_images or window_chunk >= positions:
-    per_image, images = positions, max(1, window_chunk // positions)
-  else:
-    per_image, images = window_chunk, 1
-  devices = jax.device_count()
-  step = devices if batch % devices == 0 else 1
-  # A multiple of step, at most the batch (itself a multiple of step).
-  images = -(-min(images, batch) // step) * step
-  while batch % images:
-    images += step
-  return images, per_image
-
-
-def _chunked_windows(route, pose_patches: jax.Array, act_patches: jax.Array,
-                     images: int, per_image: int):
-  """``route`` over [B, positions] windows, chunk by chunk.
-
-  A chunk is ``per_image`` positions of ``images`` images (every
-  B/images-th image, so that a sharded batch dim stays the chunk's major
-  dim). Each chunk's votes and routing are recomputed in the backward pass
-  (``jax.checkpoint`` per chunk), so neither pass holds more than one
-  chunk's [images, per_image, I, O, P*P] temporaries, and the forward pass
-  keeps only the patches for the backward.
-
-  Args:
-    route: (pose patches [b, n, I, P, P], activation patches [b, n, I]) ->
-      pytree of [b, n, ...] arrays.
-    pose_patches: [B, N, I, P, P]; act_patches: [B, N, I].
-    images: images per chunk (divides B); per_image: positions per chunk.
-  Returns:
-    route's pytree over all [B, N] windows.
-  """
-  batch, num = pose_patches.shape[:2]
-  if images >= batch and per_image >= num:
-    return route(pose_patches, act_patches)
-  groups, count = batch // images, -(-num // per_image)
-  pad = count * per_image - num
-
-  def split(x):
-    """[B, N, ...] -> [groups * count, images, per_image, ...]; positions
-    padded with zeros (zero activations route to finite outputs, sliced
-    off below)."""
-    if pad:
-      x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-    rest = x.shape[2:]
-    x = x.reshape((images, groups, count, per_image) + rest)
-    x = jnp.moveaxis(x, 0, 2)
-    return x.reshape((groups * count, images, per_image) + rest)
-
-  def merge(y):
-    rest = y.shape[3:]
-    y = jnp.moveaxis(y.reshape((groups, count, images, per_image) + rest), 2,
-                     0)
-    return y.reshape((batch, count * per_image) + rest)[:, :num]
-
-  out = jax.lax.map(lambda xs: jax.checkpoint(route)(*xs),
-                    (split(pose_patches), split(act_patches)))
-  return jax.tree.map(merge, out)
-
-
-EM_IMPLS = (None, 'kernel', 'xla')
-
-
-def _check_em_impl(name: str, impl) -> None:
-  if impl not in EM_IMPLS:
-    raise ValueError(f"{name} must be None, 'kernel' or 'xla', got {impl!r}.")
-
-
-def _use_em_kernel(impl, window_chunk, why_not: str) -> bool:
-  """Whether conv_capsule_routing routes with the fused kernel."""
-  _check_em_impl('impl', impl)
-  if impl == 'kernel' and why_not:
-    raise ValueError(f"impl='kernel': the fused EM kernel cannot route these "
-                     f"windows: {why_not}. Use impl=None or 'xla'.")
-  use = impl == 'kernel' or (impl is None and window_chunk is None
-                             and not why_not)
-  em_kernel.note_choice(use, why_not or (
-      "impl='xla'" if impl == 'xla' else 'window_chunk is set'))
-  return use
-
-
-def conv_capsule_routing(
-    poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
-    beta_u: ArrayLike, beta_a: ArrayLike, *, stride: int,
-    em_routing: routing.EMRouting | None = None, votes_dtype=None,
-    remat_iterations: bool = False, window_chunk: int | None = None,
-    impl: str | None = None, **fields
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Convolutional capsules with EM routing, as a pure function.
-
-  Every K x K window of children is routed to the out_types parents at its
-  output position: votes V = M_i W_(tap, in type, out type), I = K*K*Cin
-  children ordered (row tap, column tap, type).
-
-  Args:
-    poses: [B, H, W, Cin, P, P]; activations: [B, H, W, Cin].
-    weights: [K, K, Cin, Cout, P, P]; beta_u, beta_a: [Cout].
-    stride: window stride.
-    em_routing: the routing (``routing.EMRouting``; None: the paper's);
-      ``fields``, any of its fields by name, override it. Without
-      ``normalize_across_positions`` or ``released`` each window routes on
-      its own (one em_routing per output position, mapped over [B, H',
-      W']); ``normalize_across_positions`` normalises each child's
-      assignments over every parent that receives its votes across
-      positions (``votes.conv_parent_normalizer``); ``released`` is the
-      released code's conv routing (``update_conv_routing``): the mass
-      padded by ``mass_epsilon`` (default 1e-7) and its E-step normaliser
-      ``votes.released_conv_normalizer``, windows indexed as if the stride
-      were 1 unless ``true_stride``.
-    votes_dtype: dtype of the votes (e.g. bfloat16 to halve their memory);
-      routing statistics stay float32. None keeps the poses' dtype. The
-      fused kernel rounds poses and transforms to it and then computes the
-      votes and routing in float32 (it stores no votes).
-    window_chunk: windows routed at a time: each chunk computes its votes
-      from its pose patches and is recomputed in the backward pass
-      (``jax.checkpoint``), so no pass holds more than one chunk's votes.
-      With an E-step normaliser (``normalize_across_positions``,
-      ``released``) the chunks are whole images, as many as fit in
-      ``window_chunk`` windows (at least one). 0 routes all windows at
-      once; None is 0 on an accelerator and on a CPU the windows whose
-      votes take about ``WINDOW_CHUNK_BYTES``.
-    impl: 'kernel' routes the windows with the fused CPU kernel
-      (``em_kernel.route_windows``: votes and routing window by window in
-      the core's cache, forward and backward), 'xla' through XLA in
-      ``window_chunk`` chunks; None picks the kernel where it applies
-      (``em_kernel.unsupported`` says why not) and ``window_chunk`` is None.
-  Returns:
-    (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
-    poses' dtype, assignments [B, H', W', I, Cout] float32).
-  """
-  em_routing = routing.with_overrides(em_routing, **fields)
-  poses, activations = jnp.asarray(poses), jnp.asarray(activations)
-  weights = jnp.asarray(weights)
-  if poses.ndim != 6 or activations.shape != poses.shape[:4]:
-    raise ValueError(
-        f'conv capsules: poses must be [B, H, W, C, P, P] and activations '
-        f'[B, H, W, C], got {poses.shape} and {activations.shape}.')
-  kernel_size, _, in_types, out_types, p, _ = weights.shape
-  if poses.shape[3:] != (in_types, p, p):
-    raise ValueError(
-        f'conv capsules: poses {poses.shape} do not match weights [K, K, Cin, '
-        f'Cout, P, P] = {weights.shape}.')
-  height, width = poses.shape[1], poses.shape[2]
-  out_dtype = poses.dtype
-  if votes_dtype is not None:
-    poses, weights = poses.astype(votes_dtype), weights.astype(votes_dtype)
-  num_in = kernel_size * kernel_size * in_types
-  pose_patches = votes_lib.conv_capsule_patches(poses, kernel_size, stride)
-  batch, out_h, out_w = pose_patches.shape[:3]
-  pose_patches = pose_patches.reshape(batch, out_h, out_w, num_in, p, p)
-  act_patches = votes_lib.conv_capsule_patches(
-      activations, kernel_size, stride).reshape(batch, out_h, out_w, num_in)
-  options = dict(remat_iterations=remat_iterations)
-  if em_routing.released:
-    options.update(assignment_normalizer=votes_lib.released_conv_normalizer(
-        out_h, out_w, kernel_size, stride, in_types,
-        true_stride=em_routing.true_stride))
-    if em_routing.mass_epsilon is None:
-      em_routing = dataclasses.replace(
-          em_routing, mass_epsilon=routing.RELEASED_CONV_MASS_EPSILON)
-  elif em_routing.normalize_across_positions:
-    options.update(assignment_normalizer=votes_lib.conv_parent_normalizer(
-        height, width, kernel_size, stride, in_types))
-  options.update(options=em_routing)
-  flat_weights = weights.reshape(num_in, out_types, p, p)
-  use_kernel = _use_em_kernel(impl, window_chunk, em_kernel.unsupported(
-      p, pose_patches.dtype, normalizer='assignment_normalizer' in options,
-      released=em_routing.released, remat_iterations=remat_iterations))
-  if use_kernel:
-    out_poses, out_acts, assignments = em_kernel.route_windows(
-        pose_patches.reshape(-1, num_in, p, p),
-        act_patches.reshape(-1, num_in), flat_weights, beta_u, beta_a,
-        em_routing=em_routing)
-    return (out_poses.reshape(batch, out_h, out_w, out_types, p, p
-                              ).astype(out_dtype),
-            out_acts.reshape(batch, out_h, out_w, out_types).astype(out_dtype),
-            assignments.reshape(batch, out_h, out_w, num_in, out_types))
-  # An E-step normaliser couples the windows of an image: it routes whole
-  # images. Without one every window routes on its own (em_routing maps
-  # over the leading dims exactly as a vmap over windows would; a nested
-  # vmap over H', W' cost 1.5x more on CPU).
-  whole_images = 'assignment_normalizer' in options
-
-  def route(pose_windows, act_windows):
-    """[b, H'*W', I, P, P], [b, H'*W', I] -> routing outputs [b, H'*W', ...]."""
-    if whole_images:
-      pose_windows = pose_windows.reshape((-1, out_h, out_w)
-                                          + pose_windows.shape[2:])
-      act_windows = act_windows.reshape(-1, out_h, out_w, num_in)
-    out = routing.em_routing(
-        votes_lib.matrix_votes(pose_windows, flat_weights), act_windows,
-        beta_u, beta_a, **options)
-    return tuple(x.reshape((-1, out_h * out_w) + x.shape[3:]) if whole_images
-                 else x for x in out)
-
-  positions = out_h * out_w
-  window_chunk = window_chunk_size(
-      window_chunk, num_in * out_types * p * p,
-      jnp.promote_types(pose_patches.dtype, jnp.float32))
-  images, per_image = (batch, positions) if not window_chunk else (
-      _chunk_shape(batch, positions, window_chunk, whole_images))
-  out_poses, out_acts, assignments = _chunked_windows(
-      route, pose_patches.reshape((batch, positions, num_in, p, p)),
-      act_patches.reshape(batch, positions, num_in), images, per_image)
-  out_acts = out_acts.reshape(batch, out_h, out_w, out_types)
-  assignments = assignments.reshape(batch, out_h, out_w, num_in, out_types)
-  out_poses = out_poses.reshape(batch, out_h, out_w, out_types, p, p)
-  return (out_poses.astype(out_dtype), out_acts.astype(out_dtype),
-          assignments)
 
 
 class ConvCapsules(nnx.Module):
@@ -875,10 +458,11 @@ class ConvCapsules(nnx.Module):
   iterations (BENCHMARKS.md compares the two).
   ``votes_dtype=jnp.bfloat16`` stores votes in bfloat16; routing statistics
   stay float32. ``window_chunk``: windows routed at a time, their votes
-  recomputed in the backward pass (``conv_capsule_routing``; None: chunks
-  of about ``WINDOW_CHUNK_BYTES`` of votes on a CPU, all at once on an
-  accelerator). ``routing_impl``: ``conv_capsule_routing``'s ``impl`` (None:
-  the fused CPU kernel where it applies).
+  recomputed in the backward pass
+  (``capsule_routing.conv_capsule_routing``; None: chunks of about
+  ``capsule_routing.WINDOW_CHUNK_BYTES`` of votes on a CPU, all at once on
+  an accelerator). ``routing_impl``: that function's ``impl`` (None: the
+  fused CPU kernel where it applies).
   """
 
   def __init__(self, in_types: int, out_types: int, kernel_size: int = 3,
@@ -897,14 +481,15 @@ class ConvCapsules(nnx.Module):
     self.kernel_size, self.stride = kernel_size, stride
     self.em_routing = _check_em_routing(em_routing)
     self.remat, self.remat_iterations = remat, remat_iterations
-    _check_window_chunk(window_chunk)
+    capsule_routing.check_window_chunk(window_chunk)
     self.window_chunk = window_chunk
-    _check_em_impl('routing_impl', routing_impl)
+    capsule_routing.check_em_impl('routing_impl', routing_impl)
     self.routing_impl = routing_impl
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
-    self.weights = nnx.Param(_transform_init(
-        rngs, (kernel_size, kernel_size, in_types, out_types, pose_size,
-               pose_size), pose_size, transform_std, transform_init))
+    self.weights = nnx.Param(nn.capsule_transform_init(
+        rngs.params(), (kernel_size, kernel_size, in_types, out_types,
+                        pose_size, pose_size), pose_size, transform_std,
+        transform_init))
     self.beta_u = nnx.Param(jnp.full((out_types,), beta_u_init, jnp.float32))
     self.beta_a = nnx.Param(jnp.full((out_types,), beta_a_init, jnp.float32))
 
@@ -915,8 +500,9 @@ class ConvCapsules(nnx.Module):
   def __call__(self, poses: ArrayLike, activations: ArrayLike
                ) -> tuple[jax.Array, jax.Array]:
     fn = functools.partial(
-        conv_capsule_routing, stride=self.stride, em_routing=self.em_routing,
-        votes_dtype=self.votes_dtype, remat_iterations=self.remat_iterations,
+        capsule_routing.conv_capsule_routing, stride=self.stride,
+        em_routing=self.em_routing, votes_dtype=self.votes_dtype,
+        remat_iterations=self.remat_iterations,
         window_chunk=self.window_chunk, impl=self.routing_impl)
     if self.remat:
       fn = jax.checkpoint(fn)
@@ -924,57 +510,6 @@ class ConvCapsules(nnx.Module):
                                 self.beta_u[...], self.beta_a[...])
     return out_poses, out_acts
 
-
-def class_capsule_routing(
-    poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
-    beta_u: ArrayLike, beta_a: ArrayLike, *, coordinate_addition: bool = True,
-    coordinate_offsets: tuple[Sequence[float], Sequence[float]] | None = None,
-    coordinate_order: str = 'row_col', votes_dtype=None,
-    em_routing: routing.EMRouting | None = None, **fields
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Class capsules: transforms shared over positions, one EM routing.
-
-  Args:
-    poses: [B, H, W, Cin, P, P]; activations: [B, H, W, Cin].
-    weights: [Cin, O, P, P]; beta_u, beta_a: [O].
-    coordinate_addition: add each position's scaled (row, col) centre,
-      (h + 0.5) / H and (w + 0.5) / W, to vote entries 0 and 1
-      (``votes.coordinate_addition``).
-    coordinate_offsets: (row offsets [H], column offsets [W]) to add
-      instead (e.g. ``votes.authors_coordinates``); None: the grid's.
-    coordinate_order: 'row_col' puts the row on vote entry 0 and the column
-      on entry 1; 'col_row' the other way round (the released code, whose
-      ``conv_pos`` swaps its two channels at each of its three calls).
-    em_routing, fields: the routing, as ``routing.em_routing``'s
-      ``options`` and ``fields`` (the released class layer pads the mass
-      by 1e-5).
-  Returns:
-    (poses [B, O, P, P] in the input poses' dtype, activations [B, O]
-    float32 (the class scores), assignments [B, H*W*Cin, O] float32), inputs
-    ordered (row, col, type).
-  """
-  poses, activations = jnp.asarray(poses), jnp.asarray(activations)
-  weights = jnp.asarray(weights)
-  if poses.ndim != 6 or activations.shape != poses.shape[:4]:
-    raise ValueError(
-        f'class capsules: poses must be [B, H, W, C, P, P] and activations '
-        f'[B, H, W, C], got {poses.shape} and {activations.shape}.')
-  out_dtype = poses.dtype
-  if votes_dtype is not None:
-    poses, weights = poses.astype(votes_dtype), weights.astype(votes_dtype)
-  batch = poses.shape[0]
-  num_out, p = weights.shape[1], weights.shape[2]
-  v = votes_lib.matrix_votes(poses, weights)  # [B, H, W, Cin, O, P*P]
-  if coordinate_addition:
-    v = votes_lib.coordinate_addition(v, *(coordinate_offsets or (None, None)),
-                                      order=coordinate_order)
-  v = v.reshape(batch, -1, num_out, p * p)
-  out_poses, out_acts, assignments = routing.em_routing(
-      v, activations.reshape(batch, -1), beta_u, beta_a,
-      options=routing.with_overrides(em_routing, **fields))
-  # The class activations are the class scores: float32 (routing.em_routing).
-  return (out_poses.reshape(batch, num_out, p, p).astype(out_dtype),
-          out_acts, assignments)
 
 
 class ClassCapsules(nnx.Module):
@@ -987,7 +522,7 @@ class ClassCapsules(nnx.Module):
   (poses [B, H, W, in_types, P, P], activations [B, H, W, in_types]) ->
   (poses [B, num_classes, P, P], activations [B, num_classes]).
   ``coordinate_offsets`` (rows, cols): what coordinate addition adds (see
-  ``class_capsule_routing``); None: the grid's (h + 0.5) / H.
+  ``capsule_routing.class_capsule_routing``); None: the grid's (h + 0.5) / H.
   """
 
   def __init__(self, in_types: int, num_classes: int, *, pose_size: int = 4,
@@ -1012,17 +547,17 @@ class ClassCapsules(nnx.Module):
                        f'{coordinate_order!r}.')
     self.coordinate_order = coordinate_order
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
-    self.weights = nnx.Param(_transform_init(
-        rngs, (in_types, num_classes, pose_size, pose_size), pose_size,
-        transform_std, transform_init))
+    self.weights = nnx.Param(nn.capsule_transform_init(
+        rngs.params(), (in_types, num_classes, pose_size, pose_size),
+        pose_size, transform_std, transform_init))
     self.beta_u = nnx.Param(jnp.full((num_classes,), beta_u_init, jnp.float32))
     self.beta_a = nnx.Param(jnp.full((num_classes,), beta_a_init, jnp.float32))
 
   def route(self, poses: ArrayLike, activations: ArrayLike
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(poses [B, K, P, P], activations [B, K], assignments [B, H*W*Cin, K])
-    (see ``class_capsule_routing``)."""
-    return class_capsule_routing(
+    (see ``capsule_routing.class_capsule_routing``)."""
+    return capsule_routing.class_capsule_routing(
         poses, activations, self.weights[...], self.beta_u[...],
         self.beta_a[...], coordinate_addition=self.coordinate_addition,
         coordinate_offsets=self.coordinate_offsets,

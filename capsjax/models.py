@@ -41,6 +41,7 @@ from jax.typing import ArrayLike
 
 from capsjax import conv as conv_lib
 from capsjax import layers
+from capsjax import nn
 from capsjax import routing
 from capsjax import votes as votes_lib
 
@@ -99,7 +100,7 @@ class _MLP(nnx.Module):
   """Dense layers, ReLU between them: [B, in] -> [B, widths[-1]]."""
 
   def __init__(self, in_features: int, widths: Sequence[int], *,
-               kernel_init=layers.lecun_normal, bias_init: float = 0.0,
+               kernel_init=nn.lecun_normal, bias_init: float = 0.0,
                last_kernel_init=None, rngs: nnx.Rngs):
     sizes = (in_features,) + tuple(widths)
     bias = nnx.initializers.constant(bias_init)
@@ -187,9 +188,9 @@ class CapsNet(nnx.Module):
     self.num_classes = num_classes
     self.form = form
     if form == 'official':
-      init = {'kernel_init': layers.truncated_normal_init(
+      init = {'kernel_init': nn.truncated_normal_init(
           layers.OFFICIAL_WEIGHT_STD), 'bias_init': layers.OFFICIAL_BIAS_INIT}
-      conv1_init = init | {'kernel_init': layers.truncated_normal_init(
+      conv1_init = init | {'kernel_init': nn.truncated_normal_init(
           layers.OFFICIAL_CONV1_STD)}
     else:
       init = conv1_init = {}
@@ -315,7 +316,7 @@ class BaselineCNN(nnx.Module):
                        rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     self.head = nnx.Linear(fc_widths[-1], num_classes,
-                           kernel_init=layers.lecun_normal, rngs=rngs)
+                           kernel_init=nn.lecun_normal, rngs=rngs)
 
   def __call__(self, images: ArrayLike, labels: ArrayLike | None = None, *,
                train: bool = False) -> dict[str, jax.Array]:
@@ -447,9 +448,9 @@ class MatrixCapsNet(nnx.Module):
   released code: 0.25, final lambda / 4).
 
   ``window_chunk``: how many windows each conv capsule layer routes at a
-  time (``layers.conv_capsule_routing``): None, on a CPU chunks of about
-  ``layers.WINDOW_CHUNK_BYTES`` of votes recomputed in the backward pass
-  (far less memory, and faster: the chunk stays in cache), on an
+  time (``capsule_routing.conv_capsule_routing``): None, on a CPU chunks
+  of about ``capsule_routing.WINDOW_CHUNK_BYTES`` of votes recomputed in the
+  backward pass (far less memory, and faster: the chunk stays in cache), on an
   accelerator all at once; 0 all at once; N that many.
   ``routing_impl``: the conv capsule layers' routing (None: on a CPU the
   fused kernel, ``capsjax.em_kernel``, where it applies and
@@ -584,10 +585,10 @@ class MatrixCapsNet(nnx.Module):
 
 
 def _kernel_init(name: str):
-  if name not in layers.KERNEL_INITS:
-    raise ValueError(f'kernel_init must be one of {sorted(layers.KERNEL_INITS)}'
+  if name not in nn.KERNEL_INITS:
+    raise ValueError(f'kernel_init must be one of {sorted(nn.KERNEL_INITS)}'
                      f', got {name!r}.')
-  return layers.KERNEL_INITS[name]
+  return nn.KERNEL_INITS[name]
 
 
 class _SuTrunk(nnx.Module):
@@ -600,7 +601,7 @@ class _SuTrunk(nnx.Module):
   """
 
   def __init__(self, in_channels: int, widths: Sequence[int], *,
-               kernel_init=layers.glorot_uniform, rngs: nnx.Rngs):
+               kernel_init=nn.glorot_uniform, rngs: nnx.Rngs):
     widths = _check_widths('trunk_widths', widths)
     if len(widths) != 4:
       raise ValueError(f'trunk_widths needs 4 entries, got {widths!r}.')
@@ -616,7 +617,7 @@ class _SuTrunk(nnx.Module):
     for i, conv in enumerate(self.convs):
       x = jax.nn.relu(conv(x))
       if i == 1:
-        x = layers.average_pool_2x2(x)
+        x = nn.average_pool_2x2(x)
     return x
 
 
@@ -775,7 +776,7 @@ class EfficientCapsNet(nnx.Module):
     self.num_classes = num_classes
     sizes = (channels,) + conv_channels
     self.convs = nnx.List([
-        layers.Conv2D(a, b, k, s, kernel_init=layers.he_normal, rngs=rngs)
+        layers.Conv2D(a, b, k, s, kernel_init=nn.he_normal, rngs=rngs)
         for a, b, k, s in zip(sizes[:-1], sizes[1:], self.CONV_KERNELS,
                               self.CONV_STRIDES, strict=True)])
     # Keras' BatchNormalization: two-pass batch variance, as TF's moments.
@@ -795,8 +796,8 @@ class EfficientCapsNet(nnx.Module):
       widths = _check_widths('decoder_widths', decoder_widths)
       self.decoder = _MLP(num_classes * digit_dim,
                           widths + (math.prod(self.input_shape),),
-                          kernel_init=layers.he_normal,
-                          last_kernel_init=layers.glorot_normal, rngs=rngs)
+                          kernel_init=nn.he_normal,
+                          last_kernel_init=nn.glorot_normal, rngs=rngs)
     else:
       self.decoder = None
 

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from capsjax import families
-from capsjax import layers
 from capsjax import models
+from capsjax import nn
 from capsjax.data import augment
 from capsjax.training import state as state_lib
 from capsjax.training import vector_capsules
@@ -199,13 +199,13 @@ def test_forward_matches_float64_reference_of_the_authors_graph():
 def test_depthwise_conv_is_per_channel():
   x = _images(2, (2, 6, 6, 3))
   kernel = _images(3, (3, 3, 1, 3))
-  got = layers.depthwise_conv2d(x, kernel, stride=2)
+  got = nn.depthwise_conv2d(x, kernel, stride=2)
   for c in range(3):
     want = conv_reference(x[..., c:c + 1], kernel[..., c:c + 1],
                           np.zeros((2, 2, 2, 1)), stride=2)[0]
     np.testing.assert_allclose(got[..., c:c + 1], want, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match=r'\[K, K, 1, C\]'):
-    layers.depthwise_conv2d(x, kernel[..., :2])
+    nn.depthwise_conv2d(x, kernel[..., :2])
 
 
 # ----------------------------------------------------------------------------

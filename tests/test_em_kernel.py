@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+from capsjax import capsule_routing
 from capsjax import em_kernel
 from capsjax import layers
 from capsjax import routing
@@ -167,7 +168,7 @@ def test_conv_capsule_routing_by_kernel_equals_xla():
 
   def loss_and_grads(impl):
     def loss(poses, acts, *params):
-      out_poses, out_acts, assignments = layers.conv_capsule_routing(
+      out_poses, out_acts, assignments = capsule_routing.conv_capsule_routing(
           poses, acts, *params, stride=2, impl=impl, normalize_cost=True)
       return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
               + jnp.sum(jnp.cos(assignments)),
@@ -202,7 +203,7 @@ def test_bfloat16_conv_capsules_route_in_float32_by_the_kernel():
   poses = jnp.asarray(rng.normal(size=(2, 5, 5, 2, 4, 4)), jnp.bfloat16)
   acts = jnp.asarray(rng.uniform(size=(2, 5, 5, 2)), jnp.bfloat16)
   params = tuple(jnp.asarray(x, jnp.bfloat16) for x in _layer_params())
-  route = jax.jit(lambda *x: layers.conv_capsule_routing(*x, stride=2))
+  route = jax.jit(lambda *x: capsule_routing.conv_capsule_routing(*x, stride=2))
   assert 'EmConvRoutingForward' in route.lower(poses, acts,
                                                *params).as_text()
   half = route(poses, acts, *params)
@@ -282,12 +283,12 @@ def test_bad_arguments_raise_value_error():
   conv_acts = np.ones((1, 5, 5, 2), np.float32)
   w, bu, ba = (np.asarray(x, np.float32) for x in _layer_params())
   with pytest.raises(ValueError, match='couples the windows'):
-    layers.conv_capsule_routing(conv_poses, conv_acts, w, bu, ba, stride=2,
-                                impl='kernel',
-                                normalize_across_positions=True)
+    capsule_routing.conv_capsule_routing(
+        conv_poses, conv_acts, w, bu, ba, stride=2, impl='kernel',
+        normalize_across_positions=True)
   with pytest.raises(ValueError, match="impl must be None, 'kernel' or"):
-    layers.conv_capsule_routing(conv_poses, conv_acts, w, bu, ba, stride=2,
-                                impl='fused')
+    capsule_routing.conv_capsule_routing(
+        conv_poses, conv_acts, w, bu, ba, stride=2, impl='fused')
   with pytest.raises(ValueError, match='routing_impl'):
     layers.ConvCapsules(2, 3, routing_impl='fused', rngs=nnx.Rngs(0))
 
@@ -324,9 +325,9 @@ def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
 def test_without_a_compiler_conv_capsules_route_through_xla(tmp_path):
   code = '\n'.join([
       'import jax.numpy as jnp',
-      'from capsjax import em_kernel, layers',
+      'from capsjax import capsule_routing, em_kernel',
       'print(em_kernel.status())',
-      'out = layers.conv_capsule_routing(',
+      'out = capsule_routing.conv_capsule_routing(',
       '    jnp.zeros((1, 5, 5, 2, 4, 4)), jnp.ones((1, 5, 5, 2)),',
       '    jnp.zeros((3, 3, 2, 3, 4, 4)), jnp.zeros(3), jnp.zeros(3), stride=2)',
       'print([o.shape for o in out])'])

@@ -22,6 +22,7 @@ from jax._src.interpreters import partial_eval as pe
 from capsjax import families
 from capsjax import layers
 from capsjax import losses
+from capsjax import nn
 from capsjax.conv import lowerings
 from capsjax.conv import onednn
 from capsjax.training import matrix_capsules
@@ -216,7 +217,7 @@ def test_bias_gradient_is_summed_in_float64():
                                 (jnp.float64, jnp.float32)):
       y = jnp.zeros(dy.shape, y_dtype)
       bias = jnp.zeros((5,), bias_dtype)
-      _, vjp = jax.vjp(layers.add_bias, y, bias)
+      _, vjp = jax.vjp(nn.add_bias, y, bias)
       _, dbias = jax.jit(vjp)(jnp.asarray(dy, y_dtype))
       assert dbias.dtype == bias_dtype
       np.testing.assert_allclose(

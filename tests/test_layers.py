@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+from capsjax import capsule_routing
 from capsjax import layers
+from capsjax import nn
 from capsjax import routing
 from capsjax.conv import lowerings
 from capsjax.conv import onednn
@@ -147,14 +149,14 @@ def test_average_pool_2x2_is_keras_average_pooling(height, width):
   grad_ref = np.zeros_like(x)
   grad_ref[:, :2 * h, :2 * w] = 0.25 * np.repeat(
       np.repeat(cotangent, 2, axis=1), 2, axis=2)
-  out, vjp = jax.vjp(layers.average_pool_2x2, x.astype(np.float32))
+  out, vjp = jax.vjp(nn.average_pool_2x2, x.astype(np.float32))
   chex.assert_shape(out, (2, h, w, 3))
   np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(vjp(cotangent.astype(np.float32))[0], grad_ref,
                              rtol=1e-6, atol=1e-6)
   # bfloat16 in, bfloat16 out, summed in float32: within bfloat16's
   # rounding of the float64 mean.
-  low = layers.average_pool_2x2(jnp.asarray(x, jnp.bfloat16))
+  low = nn.average_pool_2x2(jnp.asarray(x, jnp.bfloat16))
   assert low.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(low, np.float64),
                              ref, rtol=1e-2, atol=1e-2)
@@ -202,7 +204,7 @@ def test_bias_gradient_sums_in_float32_for_bfloat16():
   y = jnp.zeros(dy.shape, jnp.bfloat16)
   for bias_dtype in (jnp.bfloat16, jnp.float32):
     bias = jnp.zeros((8,), bias_dtype)
-    out, vjp = jax.vjp(layers.add_bias, y, bias)
+    out, vjp = jax.vjp(nn.add_bias, y, bias)
     dy_out, dbias = jax.jit(vjp)(dy)
     assert out.dtype == jnp.bfloat16 and dbias.dtype == bias_dtype
     np.testing.assert_array_equal(dy_out, dy)
@@ -225,9 +227,9 @@ def test_bias_gradient_sums_in_float32_for_bfloat16():
   # float32 is plain addition, its gradient autodiff's own float32 sum.
   y32, dy32 = jnp.zeros((4, 3, 2)), jnp.asarray(dy64[:4, :3, :2, 0])
   bias32 = jnp.asarray([1.0, -2.0])
-  np.testing.assert_array_equal(layers.add_bias(y32, bias32),
+  np.testing.assert_array_equal(nn.add_bias(y32, bias32),
                                 jnp.broadcast_to(bias32, (4, 3, 2)))
-  _, vjp = jax.vjp(layers.add_bias, y32, bias32)
+  _, vjp = jax.vjp(nn.add_bias, y32, bias32)
   np.testing.assert_allclose(vjp(dy32)[1], dy64[:4, :3, :2, 0].sum((0, 1)),
                              rtol=1e-6)
 
@@ -406,7 +408,7 @@ def test_conv_capsules_normalize_across_positions():
   params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
   out = jax.jit(lambda p, a: layer(p, a))(poses, acts)
   chex.assert_shape(out[0], (dims.B, 3, 4, dims.O, 4, 4))
-  route = jax.jit(layers.conv_capsule_routing,
+  route = jax.jit(capsule_routing.conv_capsule_routing,
                   static_argnames=('stride', 'normalize_across_positions'))
   _, _, assignments = route(poses, acts, *params, stride=stride,
                             normalize_across_positions=True)
@@ -428,7 +430,7 @@ def test_conv_capsules_across_positions_equals_local_without_overlap():
   poses, acts = _conv_caps_inputs(dims, seed=5)
   layer = layers.ConvCapsules(dims.C, dims.O, 2, 2, rngs=nnx.Rngs(5))
   params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
-  route = jax.jit(layers.conv_capsule_routing,
+  route = jax.jit(capsule_routing.conv_capsule_routing,
                   static_argnames=('stride', 'normalize_across_positions'))
   local = route(poses, acts, *params, stride=2,
                 normalize_across_positions=False)
@@ -502,7 +504,7 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(chunk, normalizer):
 
     def loss_and_grads(window_chunk):
       def loss(poses, acts, *params):
-        out_poses, out_acts, assignments = layers.conv_capsule_routing(
+        out_poses, out_acts, assignments = capsule_routing.conv_capsule_routing(
             poses, acts, *params, stride=2, window_chunk=window_chunk,
             **options)
         return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
@@ -515,7 +517,7 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(chunk, normalizer):
     chex.assert_trees_all_close(loss_and_grads(chunk), whole, rtol=1e-10,
                                 atol=1e-12)
     # Chunked gradients match finite differences.
-    check_grads(lambda p, a, w: layers.conv_capsule_routing(
+    check_grads(lambda p, a, w: capsule_routing.conv_capsule_routing(
         p, a, w, *params[1:], stride=2, window_chunk=chunk, **options)[:2],
                 (jnp.asarray(poses), jnp.asarray(acts), params[0]), order=1,
                 modes=['rev'], atol=1e-4, rtol=1e-4)
@@ -524,11 +526,11 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(chunk, normalizer):
 def test_window_chunk_size_default_and_validation():
   # Chunks of about WINDOW_CHUNK_BYTES of votes on a CPU.
   votes = 288 * 32 * 16  # one window of the paper EM model's conv layers
-  expected = (max(1, layers.WINDOW_CHUNK_BYTES // (4 * votes))
+  expected = (max(1, capsule_routing.WINDOW_CHUNK_BYTES // (4 * votes))
               if jax.default_backend() == 'cpu' else 0)
-  assert layers.window_chunk_size(None, votes, jnp.float32) == expected
-  assert layers.window_chunk_size(0, votes, jnp.float32) == 0
-  assert layers.window_chunk_size(5, votes, jnp.float32) == 5
+  assert capsule_routing.window_chunk_size(None, votes, jnp.float32) == expected
+  assert capsule_routing.window_chunk_size(0, votes, jnp.float32) == 0
+  assert capsule_routing.window_chunk_size(5, votes, jnp.float32) == 5
   with pytest.raises(ValueError, match='window_chunk'):
     layers.ConvCapsules(2, 3, window_chunk=-1, rngs=nnx.Rngs(0))
 

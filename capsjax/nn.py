@@ -1,0 +1,186 @@
+"""Pure helpers the layers call: initialisers, bias addition, pooling and
+depthwise convolution. Nothing here owns parameters.
+
+Shape legend as in ``capsjax.layers``: B the batch, H x W a grid, C channels,
+K a kernel size, F features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from capsjax.conv.products import sum_rows_float32
+
+# Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
+# random-bits program for a many-axis shape compiles 5-10x slower (seconds
+# per parameter) than for the same number of values in one axis.
+# Truncated normals cut at 2 std, as TF's truncated_normal_initializer.
+_TRUNCATED_STD = 0.87962566103423978  # std of a unit normal cut at +-2
+
+
+def normal_init(std: float):
+  """Normal(0, std^2) initialiser: (key, shape, dtype) -> array."""
+  def init(key, shape, dtype=jnp.float32):
+    size = math.prod(shape)
+    return std * jax.random.normal(key, (size,), dtype).reshape(shape)
+  return init
+
+
+def truncated_normal_init(std: float):
+  """TF's truncated_normal_initializer(stddev=std): N(0, std^2) cut at 2 std."""
+  def init(key, shape, dtype=jnp.float32):
+    size = math.prod(shape)
+    return std * jax.random.truncated_normal(key, -2.0, 2.0, (size,),
+                                             dtype).reshape(shape)
+  return init
+
+
+def lecun_normal(key, shape, dtype=jnp.float32):
+  """Flax's default kernel initialiser: variance 1 / fan_in, truncated.
+
+  fan_in is the product of every axis but the last (K*K*Cin for a conv).
+  """
+  fan_in = math.prod(shape[:-1])
+  std = 1.0 / math.sqrt(fan_in) / _TRUNCATED_STD
+  return truncated_normal_init(std)(key, shape, dtype)
+
+
+def glorot_uniform(key, shape, dtype=jnp.float32):
+  """Keras' default kernel initialiser: U(-l, l), l = sqrt(6 / (fan_in +
+  fan_out)).
+
+  For a conv kernel [K, K, Cin, Cout]: fan_in = K*K*Cin, fan_out = K*K*Cout;
+  for a dense [Din, Dout]: Din and Dout (Keras' ``_compute_fans``).
+  """
+  receptive = math.prod(shape[:-2])
+  limit = math.sqrt(6.0 / (receptive * (shape[-2] + shape[-1])))
+  return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+
+def he_normal(key, shape, dtype=jnp.float32):
+  """Keras' he_normal: variance 2 / fan_in, a normal cut at 2 std.
+
+  fan_in is the product of every axis but the last: K*K*Cin for a conv,
+  Din for a dense layer, I*O*Din for capsule transforms [I, O, Din, Dout]
+  (Keras' ``_compute_fans`` gives the same for all three).
+  """
+  std = math.sqrt(2.0 / math.prod(shape[:-1])) / _TRUNCATED_STD
+  return truncated_normal_init(std)(key, shape, dtype)
+
+
+def glorot_normal(key, shape, dtype=jnp.float32):
+  """Keras' glorot_normal: variance 2 / (fan_in + fan_out), a normal cut at
+  2 std (fans as in ``glorot_uniform``)."""
+  receptive = math.prod(shape[:-2])
+  std = math.sqrt(2.0 / (receptive * (shape[-2] + shape[-1]))) / _TRUNCATED_STD
+  return truncated_normal_init(std)(key, shape, dtype)
+
+
+KERNEL_INITS = {'lecun_normal': lecun_normal, 'glorot_uniform': glorot_uniform}
+
+
+def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+  """y + bias along the last axis: y [..., F], bias [F] -> [..., F] in y's
+  dtype.
+
+  The bias gradient, the cotangent summed over every other axis, is
+  accumulated in float32, or float64 where the cotangent is float64. Left
+  to autodiff, a bfloat16 bias sums its gradient in bfloat16 on XLA:CPU:
+  over a batch-128 26x26 convolution output that sum was off by 19% of its
+  norm, and took about 10x as long as the float32 sum. (Where y and bias
+  are both float32 or both float64 this is plain addition, autodiff summing
+  in their dtype; else a custom VJP: reverse mode only, as training uses
+  it.)
+  """
+  if y.dtype == bias.dtype == jnp.promote_types(y.dtype, jnp.float32):
+    return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))  # autodiff's own sum
+  return _add_bias_f32_sum(y, bias)
+
+
+@jax.custom_vjp
+def _add_bias_f32_sum(y: jax.Array, bias: jax.Array) -> jax.Array:
+  return y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def _add_bias_fwd(y, bias):
+  return _add_bias_f32_sum(y, bias), bias  # [F]: only its dtype is needed
+
+
+def _sum_rows(dy: jax.Array) -> jax.Array:
+  """dy [..., F] summed over every axis but the last: [F], in float32, or
+  float64 for a float64 dy (``sum_rows_float32`` would round it)."""
+  if jnp.promote_types(dy.dtype, jnp.float32) != jnp.float32:
+    return jnp.sum(dy, axis=tuple(range(dy.ndim - 1)))
+  return sum_rows_float32(dy)
+
+
+def _add_bias_bwd(bias, dy):
+  return dy, _sum_rows(dy).astype(bias.dtype)
+
+
+_add_bias_f32_sum.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def average_pool_2x2(x: jax.Array) -> jax.Array:
+  """Keras' AveragePooling2D(2): [B, H, W, C] -> [B, H // 2, W // 2, C] (an
+  odd last row or column dropped).
+
+  Four strided slices summed, which XLA:CPU fuses with the ReLU before it
+  into one loop; a reshape and mean becomes a YNNPACK reduction, for which
+  XLA materialises its operands, zeros included (Su's capsule model trained
+  1.02x faster at batch 128 with the slices: BENCHMARKS.md).
+  Summed in float32 for bfloat16 inputs.
+  """
+  h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
+  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  total = ((wide[:, 0:h:2, 0:w:2] + wide[:, 0:h:2, 1:w:2]) +
+           (wide[:, 1:h:2, 0:w:2] + wide[:, 1:h:2, 1:w:2]))
+  return (0.25 * total).astype(x.dtype)
+
+
+def depthwise_conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
+                     padding: str = 'VALID') -> jax.Array:
+  """Depthwise convolution, NHWC: channel c convolved with its own kernel.
+
+  Keras' ``Conv2D(C, K, groups=C)`` on C channels (one output channel per
+  input channel): out[b, i, j, c] = sum_{u, v} x[b, s i + u, s j + v, c]
+  kernel[u, v, 0, c].
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [K, K, 1, C].
+  Returns:
+    [B, H', W', C], H' = (H - K) // stride + 1 with 'VALID' padding.
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  if kernel.ndim != 4 or kernel.shape[2] != 1 or kernel.shape[3] != x.shape[-1]:
+    raise ValueError(f'depthwise_conv2d: kernel must be [K, K, 1, C] with C = '
+                     f'{x.shape[-1]} (the input channels), got {kernel.shape}.')
+  return jax.lax.conv_general_dilated(
+      x, kernel, (stride, stride), padding,
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+      feature_group_count=x.shape[-1])
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+  """[..., Cin] @ [Cin, F] + [F], broadcast explicitly (no rank promotion)."""
+  return add_bias(jnp.einsum('...c,cf->...f', x, kernel), bias)
+
+
+def capsule_transform_init(key: jax.Array, shape: Sequence[int],
+                           pose_size: int, transform_std: float | None,
+                           transform_init: str = 'normal') -> jax.Array:
+  """Matrix-capsule transforms of ``shape``: a normal (or, 'truncated', TF's
+  truncated normal: the released code's) with std ``transform_std``, default
+  1/sqrt(pose_size)."""
+  std = 1.0 / math.sqrt(pose_size) if transform_std is None else transform_std
+  if transform_init not in ('normal', 'truncated'):
+    raise ValueError(f"transform_init must be 'normal' or 'truncated', got "
+                     f'{transform_init!r}.')
+  init = truncated_normal_init if transform_init == 'truncated' else normal_init
+  return init(std)(key, tuple(shape))
