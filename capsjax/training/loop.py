@@ -556,6 +556,17 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
             f'trained; the selected model is tested again.')
   # The code that trains: taken now, as the tree may change during a run.
   environment = metrics_lib.environment()
+  clock, compile_s = _train(run, workdir)
+  return _test_and_summarise(run, dataset, clock, compile_s, environment,
+                             workdir)
+
+
+def _train(run: _Run, workdir: str) -> tuple[_TrainClock, float | None]:
+  """Train ``run`` to its last step (or its time limit or stop reason),
+  logging, validating and checkpointing on the config's schedule: (the
+  train clock, the first step's compile seconds, None if none ran).
+  Raises ``TrainingStopped`` on a stop signal, after a checkpoint."""
+  config = run.config
   time_limit = config.max_train_seconds or None
   save_every_s = config.checkpoint_every_seconds or None
   clock, compile_s = _TrainClock(), None
@@ -572,22 +583,8 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
     run.progress = progress
     previous = None
     while run.step < config.num_train_steps and not run.stop_reason():
-      clock.start()
-      t0 = time.perf_counter()
-      metrics = run.train_step()
-      clock.count_step()
-      if compile_s is None:  # the first step compiles; it is not timed
-        jax.block_until_ready(metrics)
-        compile_s = time.perf_counter() - t0
-        clock.close_window()
-        clock.start()
-        estimate.start(run.step)
-      elif previous is not None:
-        # One step stays in flight: the bar counts finished steps only.
-        jax.block_until_ready(previous)
-        progress.advance(run.step - 1)
-        if line := estimate.line(run.step - 1):
-          run.say(line)
+      metrics, compile_s = _timed_step(run, clock, estimate, progress,
+                                       previous, compile_s)
       previous = metrics
       last = run.step == config.num_train_steps or (
           time_limit is not None and all_agree(clock.elapsed() > time_limit))
@@ -627,10 +624,47 @@ def _fit(config: ml_collections.ConfigDict, workdir: str,
       # final weights, validated now, are the selected model.
       run.validate(writer)
   clock.close_window()
+  return clock, compile_s
 
+
+def _timed_step(run: _Run, clock: _TrainClock, estimate: _Estimate,
+                progress: metrics_lib.Progress, previous: Any,
+                compile_s: float | None) -> tuple[Any, float | None]:
+  """One train step on the clock: (its metrics, compile seconds).
+
+  The first step (``compile_s`` None) compiles: it is waited for, and its
+  seconds are the compile time, not train time. Later steps wait only for
+  the step before (``previous``'s metrics), so one stays in flight, and
+  then advance the progress bar and the time estimate."""
+  clock.start()
+  t0 = time.perf_counter()
+  metrics = run.train_step()
+  clock.count_step()
+  if compile_s is None:  # the first step compiles; it is not timed
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    clock.close_window()
+    clock.start()
+    estimate.start(run.step)
+  elif previous is not None:
+    # One step stays in flight: the bar counts finished steps only.
+    jax.block_until_ready(previous)
+    progress.advance(run.step - 1)
+    if line := estimate.line(run.step - 1):
+      run.say(line)
+  return metrics, compile_s
+
+
+def _test_and_summarise(run: _Run, dataset: data_lib.Dataset,
+                        clock: _TrainClock, compile_s: float | None,
+                        environment: dict[str, Any], workdir: str
+                        ) -> dict[str, Any]:
+  """Select the model, test it once, run the config's evaluators, write
+  ``workdir/summary.json`` (the chief) and say the final line: the
+  summary."""
   run.select_best()
   test = run.evaluate(dataset.test)  # the test set is read once, here
-  evals = evaluators.run(config, run.eval_context())
+  evals = evaluators.run(run.config, run.eval_context())
   run.close()
   summary = _summary(run, test, evals, clock, compile_s, environment)
   if run.chief:
