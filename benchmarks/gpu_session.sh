@@ -166,13 +166,9 @@ compare() {  # CAP NAME MODEL BATCH DTYPES STEPS...
     --compare_dtypes="$dtypes" "$@" --output="$WORK/json/$name.json"
 }
 compare "$CAP_FAST" capsnet_b${CAPS_B[0]} $CAPSNET ${CAPS_B[0]} $DTYPES $FAST
-# The EM configs' routing overrides are placeholders (None: the preset's)
-# that the PyTorch reference would read as values; an empty override is the
-# same model on both sides.
-EM_OPTION=--model_option=em_routing_overrides={}
-compare "$CAP_EM" em_b${EM_B[0]} $EM ${EM_B[0]} $EM_DTYPES $SLOW "$EM_OPTION"
+compare "$CAP_EM" em_b${EM_B[0]} $EM ${EM_B[0]} $EM_DTYPES $SLOW
 compare "$CAP_FAST" capsnet_b${CAPS_B[1]} $CAPSNET ${CAPS_B[1]} $DTYPES $FAST
-compare "$CAP_EM" em_b${EM_B[1]} $EM ${EM_B[1]} $EM_DTYPES $SLOW "$EM_OPTION"
+compare "$CAP_EM" em_b${EM_B[1]} $EM ${EM_B[1]} $EM_DTYPES $SLOW
 compare "$CAP_FAST" su_b${CAPS_B[0]} two_digit_capsnet ${CAPS_B[0]} $DTYPES $FAST
 compare "$CAP_FAST" su_b${CAPS_B[1]} two_digit_capsnet ${CAPS_B[1]} $DTYPES $FAST
 # Efficient-CapsNet has no PyTorch reference: capsjax in float32 alone.

@@ -279,8 +279,7 @@ class MatrixCapsNet(nn.Module):
     # capsjax's routing options (a preset's name and overrides, as the
     # configs give them), read here as plain values.
     from capsjax import routing  # noqa: PLC0415 (jax only where EM is built)
-    em = (routing.em_routing_preset(em_routing, **(em_routing_overrides or {}))
-          if isinstance(em_routing, str) else em_routing)
+    em = routing.em_routing_with(em_routing, em_routing_overrides)
     if (em.activation_form != 'paper' or em.normalize_across_positions or
         em.released or em.center_momentum or init != 'paper'):
       raise ValueError('the PyTorch EM reference has the paper activation, '

@@ -357,16 +357,7 @@ def _em_layer_routings(
   """(ConvCaps2's, ConvCaps1's, the class layer's) routing: ``em_routing``
   (a preset's name or an ``EMRouting``) with ``overrides``; ConvCaps1 with
   its own iterations, the class layer with its own inverse temperature."""
-  if isinstance(em_routing, str):
-    em_routing = routing.em_routing_preset(em_routing)
-  elif not isinstance(em_routing, routing.EMRouting):
-    raise ValueError(f'em_routing must be a preset name ('
-                     f'{", ".join(routing.EM_ROUTING_PRESETS)}) or a '
-                     f'routing.EMRouting, got {em_routing!r}.')
-  # None leaves the preset's value (configs list every field, unset).
-  conv = dataclasses.replace(em_routing, **{
-      key: value for key, value in dict(overrides or {}).items()
-      if value is not None})
+  conv = routing.em_routing_with(em_routing, overrides)
   if (isinstance(caps1_iterations, bool) or
       not isinstance(caps1_iterations, int) or caps1_iterations < 0):
     raise ValueError(f'caps1_iterations must be a positive int (or 0: '

@@ -18,6 +18,8 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -519,6 +521,23 @@ def em_routing_preset(name: str, **fields) -> EMRouting:
     raise ValueError(f'unknown EM routing preset {name!r}; known: '
                      f'{", ".join(EM_ROUTING_PRESETS)}.')
   return dataclasses.replace(EM_ROUTING_PRESETS[name], **fields)
+
+
+def em_routing_with(em_routing: str | EMRouting,
+                    overrides: Mapping[str, Any] | None = None) -> EMRouting:
+  """``em_routing`` (a preset's name or an ``EMRouting``) with the fields of
+  ``overrides`` that are set: a None leaves the preset's value, as configs
+  list every field unset (the models and the PyTorch reference read them
+  so)."""
+  if isinstance(em_routing, str):
+    em_routing = em_routing_preset(em_routing)
+  elif not isinstance(em_routing, EMRouting):
+    raise ValueError(f'em_routing must be a preset name ('
+                     f'{", ".join(EM_ROUTING_PRESETS)}) or a '
+                     f'routing.EMRouting, got {em_routing!r}.')
+  return dataclasses.replace(em_routing, **{
+      key: value for key, value in dict(overrides or {}).items()
+      if value is not None})
 
 
 def with_overrides(options: EMRouting | None, num_iterations: int | None = None,

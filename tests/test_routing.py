@@ -880,3 +880,24 @@ def test_bfloat16_em_activations_near_one_do_not_tie():
   distinct = lambda x: len(np.unique(np.asarray(x)))  # noqa: E731
   assert distinct(low) == distinct(high) == low.size
   np.testing.assert_array_equal(np.argmax(low, -1), np.argmax(high, -1))
+
+
+def test_em_routing_with_reads_only_the_set_overrides():
+  """A config lists every EMRouting field unset (None: the preset's); the
+  model and the PyTorch reference read them through em_routing_with."""
+  import dataclasses
+
+  from experiments.configs import matrix_capsnet_mnist
+  assert routing.em_routing_with('paper', {
+      'num_iterations': None, 'normalize_cost': True}) == dataclasses.replace(
+          routing.PAPER_EM, normalize_cost=True)
+  assert routing.em_routing_with(routing.RELEASED_EM) == routing.RELEASED_EM
+  options = matrix_capsnet_mnist.get_config('paper').model_options
+  assert set(options.em_routing_overrides) == {
+      field.name for field in dataclasses.fields(routing.EMRouting)}
+  assert routing.em_routing_with(
+      options.em_routing, options.em_routing_overrides) == routing.PAPER_EM
+  with pytest.raises(ValueError, match='preset'):
+    routing.em_routing_with('papers')
+  with pytest.raises(ValueError, match='preset name'):
+    routing.em_routing_with({'num_iterations': 3})
