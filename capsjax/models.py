@@ -265,15 +265,25 @@ class CapsNet(nnx.Module):
                            self.conv1.kernel.dtype)
     features = jax.nn.relu(self.conv1(images))
     primary = self.primary(features)  # [B, I, primary_dim]
-    capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
-    lengths = _lengths(capsules)
-    out = {'class_scores': lengths, 'capsules': capsules, 'coupling': coupling,
-           'primary_lengths': routing.safe_norm(primary, axis=-1)}
-    if self.decoder is not None:
-      mask = self.decoder_mask(lengths, labels, train)
-      masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
-      out['reconstructions'] = jax.nn.sigmoid(self.decoder(masked))
-    return out
+    return _class_capsule_outputs(self, primary, labels, train)
+
+
+def _class_capsule_outputs(model: nnx.Module, primary: jax.Array,
+                           labels: ArrayLike | None, train: bool
+                           ) -> dict[str, jax.Array]:
+  """A vector-capsule model's outputs from its primary capsules [B, I, P]:
+  its ``digit`` layer's class capsules [B, K, D] and couplings [B, I, K],
+  their lengths as the class scores, and with a ``decoder`` the
+  reconstruction from the masked capsules (``decoder_mask``)."""
+  capsules, coupling = model.digit(primary)
+  lengths = _lengths(capsules)
+  out = {'class_scores': lengths, 'capsules': capsules, 'coupling': coupling,
+         'primary_lengths': routing.safe_norm(primary, axis=-1)}
+  if model.decoder is not None:
+    mask = model.decoder_mask(lengths, labels, train)
+    masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
+    out['reconstructions'] = jax.nn.sigmoid(model.decoder(masked))
+  return out
 
 
 class BaselineCNN(nnx.Module):
@@ -805,15 +815,7 @@ class EfficientCapsNet(nnx.Module):
       # Its running averages stay float32 under a bfloat16 compute dtype.
       x = norm(y, use_running_average=not train).astype(y.dtype)
     primary = self.primary(x)  # [B, I, primary_dim]
-    capsules, coupling = self.digit(primary)  # [B, K, D], [B, I, K]
-    lengths = _lengths(capsules)
-    out = {'class_scores': lengths, 'capsules': capsules, 'coupling': coupling,
-           'primary_lengths': routing.safe_norm(primary, axis=-1)}
-    if self.decoder is not None:
-      mask = self.decoder_mask(lengths, labels, train)
-      masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
-      out['reconstructions'] = jax.nn.sigmoid(self.decoder(masked))
-    return out
+    return _class_capsule_outputs(self, primary, labels, train)
 
 
 # ----------------------------------------------------------------------------
