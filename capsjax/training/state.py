@@ -52,8 +52,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 def make_optimizer(config: ml_collections.ConfigDict
                    ) -> optax.GradientTransformation:
-  return optax.adam(learning_rate_schedule(config),
-                    eps=fill_defaults(config).adam_epsilon)
+  schedule = learning_rate_schedule(config)  # fills the config's defaults
+  return optax.adam(schedule, eps=config.adam_epsilon)
 
 
 # ----------------------------------------------------------------------------
