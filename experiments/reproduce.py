@@ -320,6 +320,10 @@ def _experiments(suite: str) -> list[Experiment]:
       _training('capsnet_fashion_mnist', 'CapsNet, Fashion-MNIST',
                 '- (not in the paper)', 'capsnet_fashion_mnist.py',
                 'capsnet_fashion_mnist.py:smoke', _SHORT),
+      # Beyond the two papers: Mazzia et al.'s model and protocol.
+      _training('efficient_capsnet_mnist', 'Efficient-CapsNet (self-attention '
+                'routing), MNIST', '0.26%', 'efficient_capsnet_mnist.py',
+                'efficient_capsnet_mnist.py:smoke', _SHORT),
   )]
   if not smoke:
     experiments += _form_ablation()

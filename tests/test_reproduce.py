@@ -245,7 +245,8 @@ def test_paper_suite_order_and_data_flags():
                        'two_digit_transfer', 'multimnist']
   # Section 7's other datasets last, each only with its directory.
   assert names[-3:] == ['capsnet_smallnorb', 'capsnet_svhn', 'capsnet_cifar10']
-  assert len(names) == len(set(names)) == 21
+  assert len(names) == len(set(names)) == 22
+  assert 'efficient_capsnet_mnist' in names
   commands = {e.name: _flags(reproduce.command(e, '/w', options))
               for e in experiments}
   # The first row is the official code's form; the text's form and a
@@ -267,6 +268,8 @@ def test_paper_suite_order_and_data_flags():
   assert commands['affnist']['config.affnist_dir'] == '/affnist'
   assert commands['smallnorb']['config.data_dir'] == '/norb'
   assert commands['capsnet_fashion_mnist']['config.data_dir'] == '/data'
+  assert commands['efficient_capsnet_mnist']['config'].endswith(
+      'efficient_capsnet_mnist.py')
   assert commands['adversarial']['models'] == (
       '/w/capsnet_mnist,/w/baseline_cnn_mnist,/w/matrix_capsnet_mnist')
   assert 'config.affnist_dir' not in _flags(reproduce.command(
