@@ -151,20 +151,45 @@ def depthwise_conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
   input channel): out[b, i, j, c] = sum_{u, v} x[b, s i + u, s j + v, c]
   kernel[u, v, 0, c].
 
+  Computed without XLA's grouped convolution, whose gradient on a CPU took
+  65 of the 122 ms of an Efficient-CapsNet train step at batch 16 (a 9 x 9
+  kernel on a 9 x 9 map): a kernel that covers the whole input is one
+  product and sum; otherwise the sum over the K x K taps of strided
+  slices, which XLA fuses into one loop forward and backward.
+
   Args:
     x: [B, H, W, C].
     kernel: [K, K, 1, C].
+    padding: 'VALID' or 'SAME' (XLA's split: the extra row or column at the
+      end).
   Returns:
-    [B, H', W', C], H' = (H - K) // stride + 1 with 'VALID' padding.
+    [B, H', W', C], H' = (H - K) // stride + 1 with 'VALID' padding,
+    ceil(H / stride) with 'SAME'.
   """
   x, kernel = jnp.asarray(x), jnp.asarray(kernel)
   if kernel.ndim != 4 or kernel.shape[2] != 1 or kernel.shape[3] != x.shape[-1]:
     raise ValueError(f'depthwise_conv2d: kernel must be [K, K, 1, C] with C = '
                      f'{x.shape[-1]} (the input channels), got {kernel.shape}.')
-  return jax.lax.conv_general_dilated(
-      x, kernel, (stride, stride), padding,
-      dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
-      feature_group_count=x.shape[-1])
+  k_h, k_w = kernel.shape[:2]
+  pads = jax.lax.padtype_to_pads(x.shape[1:3], (k_h, k_w), (stride, stride),
+                                 padding)
+  x = jnp.pad(x, ((0, 0), *pads, (0, 0)))
+  out_h = (x.shape[1] - k_h) // stride + 1
+  out_w = (x.shape[2] - k_w) // stride + 1
+  kernel = kernel.astype(x.dtype)
+  if out_h == out_w == 1:
+    window = x[:, :k_h, :k_w, :]
+    return jnp.einsum('bhwc,hwc->bc', window, kernel[:, :, 0])[:, None, None]
+  out = None
+  for u in range(k_h):
+    for v in range(k_w):
+      window = jax.lax.slice(
+          x, (0, u, v, 0),
+          (x.shape[0], u + stride * (out_h - 1) + 1,
+           v + stride * (out_w - 1) + 1, x.shape[3]), (1, stride, stride, 1))
+      tap = window * kernel[u:u + 1, v:v + 1]  # [1, 1, 1, C]
+      out = tap if out is None else out + tap
+  return out
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:

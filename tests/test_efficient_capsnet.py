@@ -196,16 +196,36 @@ def test_forward_matches_float64_reference_of_the_authors_graph():
             norm.var[...], 0.99 * old['var'] + 0.01 * var, **F64)
 
 
-def test_depthwise_conv_is_per_channel():
-  x = _images(2, (2, 6, 6, 3))
-  kernel = _images(3, (3, 3, 1, 3))
-  got = nn.depthwise_conv2d(x, kernel, stride=2)
-  for c in range(3):
-    want = conv_reference(x[..., c:c + 1], kernel[..., c:c + 1],
-                          np.zeros((2, 2, 2, 1)), stride=2)[0]
+@pytest.mark.parametrize('shape,k,stride,padding', [
+    ((2, 6, 6, 3), 3, 2, 'VALID'), ((2, 9, 9, 4), 9, 1, 'VALID'),
+    ((1, 7, 5, 2), 3, 2, 'SAME'), ((1, 4, 4, 2), 1, 1, 'VALID')])
+def test_depthwise_conv_is_per_channel(shape, k, stride, padding):
+  """Values and both gradients against a float64 reference convolution of
+  each channel with its own kernel."""
+  x = _images(2, shape)
+  kernel = _images(3, (k, k, 1, shape[-1]))
+  conv = lambda x, w: nn.depthwise_conv2d(  # noqa: E731
+      x, w, stride=stride, padding=padding)
+  got = conv(x, kernel)
+  cotangent = _images(4, got.shape)
+  grad_x, grad_kernel = jax.grad(lambda x, w: jnp.sum(conv(x, w) * cotangent),
+                                 argnums=(0, 1))(x, kernel)
+  pads = jax.lax.padtype_to_pads(shape[1:3], (k, k), (stride, stride), padding)
+  for c in range(shape[-1]):
+    want, want_gx, want_gk = conv_reference(
+        x[..., c:c + 1], kernel[..., c:c + 1], cotangent[..., c:c + 1],
+        stride=stride, padding=pads)
     np.testing.assert_allclose(got[..., c:c + 1], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad_x[..., c:c + 1], want_gx, rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(grad_kernel[..., c:c + 1], want_gk, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_depthwise_conv_checks_its_kernel():
+  x = _images(2, (2, 6, 6, 3))
   with pytest.raises(ValueError, match=r'\[K, K, 1, C\]'):
-    nn.depthwise_conv2d(x, kernel[..., :2])
+    nn.depthwise_conv2d(x, _images(3, (3, 3, 1, 2)))
 
 
 # ----------------------------------------------------------------------------
