@@ -122,25 +122,42 @@ def _chunked_windows(route, pose_patches: jax.Array, act_patches: jax.Array,
   return jax.tree.map(merge, out)
 
 
-EM_IMPLS = (None, 'kernel', 'xla')
+EM_IMPLS = (None, 'kernel', 'pallas', 'xla')
 
 
 def check_em_impl(name: str, impl) -> None:
   if impl not in EM_IMPLS:
-    raise ValueError(f"{name} must be None, 'kernel' or 'xla', got {impl!r}.")
+    raise ValueError(f"{name} must be None, 'kernel', 'pallas' or 'xla', got "
+                     f"{impl!r}.")
 
 
-def _use_em_kernel(impl, window_chunk, why_not: str) -> bool:
-  """Whether conv_capsule_routing routes with the fused kernel."""
+def _pallas_em():
+  """``capsjax.pallas_em``, imported on first use: Pallas and its Triton
+  backend load only where impl='pallas' asks for them."""
+  from capsjax import pallas_em
+  return pallas_em
+
+
+def _em_impl(impl, window_chunk, why_not: str, why_not_pallas: str) -> str:
+  """What conv_capsule_routing routes with: 'kernel', 'pallas' or 'xla'
+  (``why_not``: why the fused CPU kernel cannot route the windows, '' when
+  it can; ``why_not_pallas``: the same for the Pallas kernel)."""
   check_em_impl('impl', impl)
   if impl == 'kernel' and why_not:
     raise ValueError(f"impl='kernel': the fused EM kernel cannot route these "
                      f"windows: {why_not}. Use impl=None or 'xla'.")
+  if impl == 'pallas':
+    if why_not_pallas:
+      raise ValueError(f"impl='pallas': the Pallas EM kernel cannot route "
+                       f"these windows: {why_not_pallas}. Use impl=None or "
+                       f"'xla'.")
+    em_kernel.note_choice(False, '', pallas=True)
+    return 'pallas'
   use = impl == 'kernel' or (impl is None and window_chunk is None
                              and not why_not)
   em_kernel.note_choice(use, why_not or (
       "impl='xla'" if impl == 'xla' else 'window_chunk is set'))
-  return use
+  return 'kernel' if use else 'xla'
 
 
 def conv_capsule_routing(
@@ -185,9 +202,12 @@ def conv_capsule_routing(
       votes take about ``WINDOW_CHUNK_BYTES``.
     impl: 'kernel' routes the windows with the fused CPU kernel
       (``em_kernel.route_windows``: votes and routing window by window in
-      the core's cache, forward and backward), 'xla' through XLA in
-      ``window_chunk`` chunks; None picks the kernel where it applies
-      (``em_kernel.unsupported`` says why not) and ``window_chunk`` is None.
+      the core's cache, forward and backward), 'pallas' with the Pallas
+      GPU kernel (``pallas_em.route_windows``: votes and routing window by
+      window on chip, interpreted on a CPU; ``window_chunk`` does not
+      apply), 'xla' through XLA in ``window_chunk`` chunks; None picks the
+      CPU kernel where it applies (``em_kernel.unsupported`` says why not)
+      and ``window_chunk`` is None, else XLA (never 'pallas').
   Returns:
     (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
     poses' dtype, assignments [B, H', W', I, Cout] float32).
@@ -207,12 +227,18 @@ def conv_capsule_routing(
       kernel_size, stride, in_types)
   num_in = kernel_size * kernel_size * in_types
   flat_weights = weights.reshape(num_in, out_types, p, p)
-  use_kernel = _use_em_kernel(impl, window_chunk, em_kernel.unsupported(
-      p, pose_patches.dtype, normalizer='assignment_normalizer' in options,
-      released=em_routing.released, remat_iterations=remat_iterations))
-  if use_kernel:
+  normalizer = 'assignment_normalizer' in options
+  impl = _em_impl(impl, window_chunk, em_kernel.unsupported(
+      p, pose_patches.dtype, normalizer=normalizer,
+      released=em_routing.released, remat_iterations=remat_iterations),
+      _pallas_em().unsupported(
+          p, normalizer=normalizer, released=em_routing.released,
+          remat_iterations=remat_iterations) if impl == 'pallas' else '')
+  if impl != 'xla':
     out_poses, out_acts, assignments = _route_windows_fused(
-        pose_patches, act_patches, flat_weights, beta_u, beta_a, em_routing)
+        pose_patches, act_patches, flat_weights, beta_u, beta_a, em_routing,
+        _pallas_em().route_windows if impl == 'pallas'
+        else em_kernel.route_windows)
   else:
     out_poses, out_acts, assignments = _route_windows_xla(
         pose_patches, act_patches, flat_weights, beta_u, beta_a, options,
@@ -277,9 +303,12 @@ def _window_routing_options(
 
 def _route_windows_fused(
     pose_patches: jax.Array, act_patches: jax.Array, flat_weights: jax.Array,
-    beta_u: ArrayLike, beta_a: ArrayLike, em_routing: routing.EMRouting
+    beta_u: ArrayLike, beta_a: ArrayLike, em_routing: routing.EMRouting,
+    route_windows=em_kernel.route_windows
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Every window through the fused CPU kernel (``em_kernel.route_windows``).
+  """Every window through a fused kernel: ``route_windows``, the CPU one
+  (``em_kernel.route_windows``) or the Pallas one
+  (``pallas_em.route_windows``).
 
   Patches [B, H', W', I, P, P] and [B, H', W', I], flat_weights [I, O, P, P]
   -> (poses [B, H', W', O, P, P], activations [B, H', W', O], assignments
@@ -287,7 +316,7 @@ def _route_windows_fused(
   """
   batch, out_h, out_w, num_in, p, _ = pose_patches.shape
   out_types = flat_weights.shape[1]
-  out_poses, out_acts, assignments = em_kernel.route_windows(
+  out_poses, out_acts, assignments = route_windows(
       pose_patches.reshape(-1, num_in, p, p),
       act_patches.reshape(-1, num_in), flat_weights, beta_u, beta_a,
       em_routing=em_routing)

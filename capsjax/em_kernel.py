@@ -81,9 +81,11 @@ def _load() -> tuple[bool, str]:
 _choices: dict[str, int] = {}
 
 
-def note_choice(used: bool, why_not: str) -> None:
-  """Counts one conv capsule layer trace's routing (``layers`` calls it)."""
-  choice = 'fused kernel' if used else f'XLA ({why_not})'
+def note_choice(used: bool, why_not: str, *, pallas: bool = False) -> None:
+  """Counts one conv capsule layer trace's routing (``layers`` calls it;
+  ``pallas``: it routed with the Pallas kernel, ``pallas_em``)."""
+  choice = ('Pallas kernel' if pallas else 'fused kernel' if used
+            else f'XLA ({why_not})')
   _choices[choice] = _choices.get(choice, 0) + 1
 
 

@@ -455,7 +455,8 @@ class MatrixCapsNet(nnx.Module):
   accelerator all at once; 0 all at once; N that many.
   ``routing_impl``: the conv capsule layers' routing (None: on a CPU the
   fused kernel, ``capsjax.em_kernel``, where it applies and
-  ``window_chunk`` is None; 'kernel'; 'xla').
+  ``window_chunk`` is None; 'kernel'; 'xla'; 'pallas', the Pallas GPU
+  kernel ``capsjax.pallas_em``, never picked by default).
 
   Returns {'class_scores': [B, K] class activations, 'poses': [B, K, 4, 4],
   and the class layer's routing: 'assignments' [B, I, K] (I = h * w * D

@@ -286,7 +286,8 @@ def test_bad_arguments_raise_value_error():
     capsule_routing.conv_capsule_routing(
         conv_poses, conv_acts, w, bu, ba, stride=2, impl='kernel',
         normalize_across_positions=True)
-  with pytest.raises(ValueError, match="impl must be None, 'kernel' or"):
+  with pytest.raises(ValueError,
+                     match="impl must be None, 'kernel', 'pallas' or"):
     capsule_routing.conv_capsule_routing(
         conv_poses, conv_acts, w, bu, ba, stride=2, impl='fused')
   with pytest.raises(ValueError, match='routing_impl'):

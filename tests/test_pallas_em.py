@@ -1,0 +1,323 @@
+"""The Pallas EM kernel (capsjax/pallas_em.py) in interpret mode: the
+float64 NumPy reference, autodiff of routing.em_routing, the fused CPU
+kernel and the XLA conv capsule routing; degenerate windows; and its
+lowering to a Triton call for CUDA."""
+
+import json
+import os
+import re
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import em_kernels
+from capsjax import capsule_routing
+from capsjax import em_kernel
+from capsjax import layers
+from capsjax import pallas_em
+from capsjax import routing
+from capsjax import votes as votes_lib
+from tests.test_routing import np_em_routing
+
+# Window-local options: the paper's schedule, cost normalisation with a
+# constant lambda, the authors' form with centre momentum, one iteration.
+OPTIONS = {
+    'paper': dict(num_iterations=3),
+    'normalized_cost': dict(num_iterations=2, normalize_cost=True,
+                            inverse_temperature=1.0),
+    'authors': dict(num_iterations=3, activation_form='authors',
+                    center_momentum=0.1, variance_epsilon=5e-4,
+                    inverse_temperature=(0.5, 1.0, 2.0)),
+    'one_iteration': dict(num_iterations=1),
+}
+
+
+def _inputs(seed, num=3, num_in=7, num_out=3, dtype=np.float64,
+            beta_a_scale=0.3):
+  rng = np.random.default_rng(seed)
+  poses = rng.normal(size=(num, num_in, 4, 4))
+  acts = rng.uniform(0.05, 1.0, size=(num, num_in))
+  weights = rng.normal(size=(num_in, num_out, 4, 4)) * 0.5
+  beta_u = rng.normal(size=num_out) * 0.3
+  beta_a = rng.normal(size=num_out) * beta_a_scale
+  return tuple(np.asarray(x, dtype) for x in (poses, acts, weights, beta_u,
+                                              beta_a))
+
+
+def _beta_a_scale(name):
+  """The authors' logit has -5000 beta_a: small betas keep it informative."""
+  return 1e-3 if name == 'authors' else 0.3
+
+
+@pytest.mark.parametrize('name', sorted(OPTIONS))
+def test_matches_float64_reference(name):
+  options = dict(OPTIONS[name])
+  iterations = options.pop('num_iterations')
+  poses, acts, weights, beta_u, beta_a = _inputs(
+      1, beta_a_scale=_beta_a_scale(name))
+  # 7 children in chunks of 4: two chunks, the last padded.
+  with jax.enable_x64(True):
+    out = pallas_em.route_windows(poses, acts, weights, beta_u, beta_a,
+                                  iterations, child_chunk=4, **options)
+  assert [x.dtype for x in out] == [jnp.float64] * 3
+  votes = np.einsum('nipq,ioqr->niopr', poses, weights).reshape(3, 7, 3, 16)
+  expected = np_em_routing(votes, acts, beta_u, beta_a, iterations,
+                           **options)
+  for got, want in zip(out, expected, strict=True):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize('name', ['authors', 'normalized_cost'])
+def test_gradients_equal_autodiff_of_em_routing(name):
+  # Every input's gradient, the inverse temperatures' included, for
+  # cotangents on all three outputs, the backward in chunks of 2 windows
+  # (the last one padded).
+  options = dict(OPTIONS[name])
+  iterations = options.pop('num_iterations')
+  lambdas = np.asarray(routing._inverse_temperatures(
+      options.pop('inverse_temperature', None), iterations, jnp.float32),
+      np.float64)
+  inputs = _inputs(2, beta_a_scale=_beta_a_scale(name)) + (lambdas,)
+  rng = np.random.default_rng(3)
+  cotangents = (rng.normal(size=(3, 3, 16)), rng.normal(size=(3, 3)),
+                rng.normal(size=(3, 7, 3)))
+
+  def loss(route):
+    def value(*x):
+      out = route(*x)
+      return sum(jnp.sum(o * c) for o, c in zip(out, cotangents, strict=True))
+    return jax.grad(value, argnums=tuple(range(6)))
+
+  def pallas(poses, acts, weights, beta_u, beta_a, lam):
+    return pallas_em.route_windows(poses, acts, weights, beta_u, beta_a,
+                                   iterations, inverse_temperature=lam,
+                                   backward_chunk=2, **options)
+
+  def xla(poses, acts, weights, beta_u, beta_a, lam):
+    return routing.em_routing(votes_lib.matrix_votes(poses, weights), acts,
+                              beta_u, beta_a, iterations,
+                              inverse_temperature=lam, **options)
+
+  with jax.enable_x64(True):
+    got = jax.jit(loss(pallas))(*inputs)
+    want = jax.jit(loss(xla))(*inputs)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-9,
+                               atol=1e-12)
+    assert np.any(np.asarray(w) != 0)
+
+
+def _layer_params(in_types=2, out_types=3):
+  layer = layers.ConvCapsules(in_types, out_types, 3, 2, beta_u_init=0.2,
+                              beta_a_init=-0.1, rngs=nnx.Rngs(0))
+  return tuple(np.asarray(x, np.float64) for x in (
+      layer.weights[...], layer.beta_u[...], layer.beta_a[...]))
+
+
+def test_conv_capsule_routing_by_pallas_equals_xla_and_the_cpu_kernel():
+  rng = np.random.default_rng(8)
+  poses = rng.normal(size=(2, 5, 5, 2, 4, 4))
+  acts = rng.uniform(size=(2, 5, 5, 2))
+  params = _layer_params()
+
+  def loss_and_grads(impl):
+    def loss(poses, acts, *params):
+      out = capsule_routing.conv_capsule_routing(
+          poses, acts, *params, stride=2, impl=impl, normalize_cost=True)
+      return (jnp.sum(jnp.sin(out[0]) * out[1][..., None, None])
+              + jnp.sum(jnp.cos(out[2])), out)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                      has_aux=True))(poses, acts, *params)
+
+  with jax.enable_x64(True):
+    before = em_kernel.choices()
+    pallas = loss_and_grads('pallas')
+    assert 'Pallas kernel: ' in em_kernel.choices() != before
+    xla = loss_and_grads('xla')
+    kernel = (capsule_routing.conv_capsule_routing(
+        poses, acts, *params, stride=2, impl='kernel', normalize_cost=True)
+        if em_kernel.available() else None)
+  for got, want in zip(jax.tree.leaves(pallas), jax.tree.leaves(xla),
+                       strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9,
+                               atol=1e-12)
+  for got, want in zip(pallas[0][1], kernel or (), strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9,
+                               atol=1e-12)
+
+
+def test_float32_jit_and_vmap_equal_a_loop_of_calls():
+  poses, acts, weights, beta_u, beta_a = _inputs(10, dtype=np.float32)
+  stacked = np.stack([poses, poses[::-1]])
+  route = jax.jit(lambda p: pallas_em.route_windows(
+      p, acts, weights, beta_u, beta_a, 2))
+  batched = jax.jit(jax.vmap(route))(stacked)
+  for k in range(2):
+    single = route(stacked[k])
+    for b, s in zip(batched, single, strict=True):
+      assert b.dtype == jnp.float32
+      np.testing.assert_allclose(np.asarray(b[k]), np.asarray(s), rtol=1e-6,
+                                 atol=1e-6)
+
+
+def _degenerate_windows(name):
+  poses, acts, weights, beta_u, beta_a = _inputs(9, num=2, num_in=6,
+                                                 dtype=np.float32)
+  if name == 'zero_activations':
+    acts = np.zeros_like(acts)
+  elif name == 'zero_poses':
+    poses = np.zeros_like(poses)
+  elif name == 'identical_votes':
+    poses = np.broadcast_to(poses[:, :1], poses.shape).copy()
+    weights = np.broadcast_to(weights[:1, :1], weights.shape).copy()
+  elif name == 'huge_poses':
+    poses = poses * 1e12  # the scale test_routing's degenerate cases hold
+  elif name == 'tiny_poses':
+    poses = poses * 1e-20
+  elif name == 'one_window':
+    poses, acts = poses[:1], acts[:1]
+  return poses, acts, weights, beta_u, beta_a
+
+
+def test_values_and_gradients_finite_on_degenerate_windows():
+  def loss(*x):
+    out = pallas_em.route_windows(*x, 3)
+    return jnp.sum(out[0]) + jnp.sum(out[1]) + jnp.sum(out[2]), out
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                    has_aux=True))
+  for name in ('zero_activations', 'zero_poses', 'identical_votes',
+               'huge_poses', 'tiny_poses', 'one_window'):
+    (value, outputs), grads = step(*_degenerate_windows(name))
+    for x in (value, *outputs, *grads):
+      assert np.all(np.isfinite(np.asarray(x))), name
+    np.testing.assert_allclose(np.sum(np.asarray(outputs[2]), -1), 1.0,
+                               rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize('name, windows, stride', [('convcaps1', 36, 2),
+                                                   ('convcaps2', 16, 1)])
+def test_paper_conv_capsule_layers_lower_to_triton_for_cuda(name, windows,
+                                                            stride):
+  # The paper EM model's conv capsule windows (3 x 3 x 32 = 288 children
+  # to 32 types) at batch 16, forward and backward, exported for CUDA on
+  # this CPU: the forward pass is one Triton kernel, a program per window.
+  del stride  # the windows are routed alike; only their count differs
+
+  def loss(poses, acts, weights, beta_u, beta_a):
+    out = pallas_em.route_windows(poses, acts, weights, beta_u, beta_a, 3,
+                                  interpret=False)
+    return jnp.sum(out[0]) + jnp.sum(out[1]), out
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                    has_aux=True))
+  shapes = [(16 * windows, 288, 4, 4), (16 * windows, 288), (288, 32, 4, 4),
+            (32,), (32,)]
+  exported = jax.export.export(
+      step, platforms=['cuda'],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+          '__gpu$xla.gpu.triton')])(
+              *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+  text = exported.mlir_module()
+  assert text.count('stablehlo.custom_call @__gpu$xla.gpu.triton') == 1, name
+  config = dict(re.findall(r'(grid_x|num_warps) = (\d+) : i32', text))
+  assert config == {'grid_x': str(16 * windows), 'num_warps': '4'}
+  assert 'name = "em_conv_windows"' in text
+
+
+def _triton_ir_text(exported) -> str:
+  """The Triton IR of the exported module's one Triton call, as text."""
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax._src.lib import triton as jax_triton
+  from jaxlib.mlir import ir
+  with jax_mlir.make_ir_context() as context:
+    configs = []
+
+    def visit(op):
+      if (op.name == 'stablehlo.custom_call' and 'xla.gpu.triton'
+          in str(op.attributes['call_target_name'])):
+        configs.append(ir.DictAttr(op.attributes['mhlo.backend_config']))
+      return ir.WalkResult.ADVANCE
+
+    ir.Module.parse(exported.mlir_module()).operation.walk(visit)
+    bytecode = ir.StringAttr(configs[0]['ir']).value_bytes
+    jax_triton.dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    return ir.Module.parse(bytecode).operation.get_asm()
+
+
+def test_paper_conv_capsule_kernel_compiles_to_sm80_without_spills(
+    tmp_path, monkeypatch):
+  # Where the Triton compiler is installed (PyTorch brings it), its build of
+  # the conv capsule kernel for an A100 (sm_80), without a GPU: ptxas says
+  # how many registers it takes and that it spills none.
+  triton = pytest.importorskip('triton')
+  monkeypatch.setenv('TRITON_CACHE_DIR', str(tmp_path / 'cache'))
+  from triton.backends.compiler import GPUTarget
+
+  def route(*x):
+    return pallas_em.route_windows(*x, 3, interpret=False)
+
+  shapes = [(64, 288, 4, 4), (64, 288), (288, 32, 4, 4), (32,), (32,)]
+  exported = jax.export.export(
+      jax.jit(route), platforms=['cuda'],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+          '__gpu$xla.gpu.triton')])(
+              *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+  source = tmp_path / 'em_conv_windows.ttir'
+  source.write_text(_triton_ir_text(exported))
+  kernel = triton.compile(str(source), target=GPUTarget('cuda', 80, 32),
+                          options=dict(num_warps=4, num_stages=3))
+  ptx = tmp_path / 'kernel.ptx'
+  ptx.write_text(kernel.asm['ptx'])
+  ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__),
+                       'bin', 'ptxas')
+  report = subprocess.run(
+      [ptxas, '-v', '--gpu-name', 'sm_80', str(ptx), '-o',
+       str(tmp_path / 'kernel.cubin')], capture_output=True, text=True,
+      check=True).stderr
+  print(report)
+  assert '0 bytes spill stores' in report
+  assert int(re.search(r'Used (\d+) registers', report)[1]) <= 255
+
+
+def test_bad_arguments_raise_value_error():
+  poses, acts, weights, beta_u, beta_a = _inputs(11, dtype=np.float32)
+  with pytest.raises(ValueError, match=r'poses \[N, I, 4, 4\]'):
+    pallas_em.route_windows(poses[:, :-1], acts, weights, beta_u, beta_a)
+  with pytest.raises(ValueError, match='power of two'):
+    pallas_em.route_windows(poses, acts, weights, beta_u, beta_a,
+                            child_chunk=6)
+  with pytest.raises(ValueError, match='on its own'):
+    pallas_em.route_windows(poses, acts, weights, beta_u, beta_a,
+                            normalize_across_positions=True)
+  conv_poses = np.zeros((1, 5, 5, 2, 4, 4), np.float32)
+  conv_acts = np.ones((1, 5, 5, 2), np.float32)
+  w, bu, ba = (np.asarray(x, np.float32) for x in _layer_params())
+  with pytest.raises(ValueError, match="impl='pallas'.*couples the windows"):
+    capsule_routing.conv_capsule_routing(
+        conv_poses, conv_acts, w, bu, ba, stride=2, impl='pallas',
+        normalize_across_positions=True)
+  with pytest.raises(ValueError, match="'kernel', 'pallas' or 'xla'"):
+    capsule_routing.conv_capsule_routing(
+        conv_poses, conv_acts, w, bu, ba, stride=2, impl='triton')
+  # The layers take it through, and never pick it themselves.
+  layer = layers.ConvCapsules(2, 3, routing_impl='pallas', rngs=nnx.Rngs(0))
+  assert layer.routing_impl == 'pallas'
+  hlo = jax.jit(lambda p, a: layers.ConvCapsules(2, 3, rngs=nnx.Rngs(0))(
+      p, a)).lower(conv_poses, conv_acts).as_text()
+  assert 'em_conv_windows' not in hlo
+
+
+def test_benchmark_runs_tiny_on_the_cpu(tmp_path):
+  out = tmp_path / 'rows.jsonl'
+  em_kernels.main(['--tiny', '--layers=convcaps2', '--impls=xla,pallas',
+                   '--rounds=1', '--reps=1', f'--out={out}'])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r['layer'], r['batch'], r['impl']) for r in rows] == [
+      ('convcaps2', 1, 'xla'), ('convcaps2', 1, 'pallas')]
+  assert all(r['ms_per_call'] > 0 and r['windows'] == 9 for r in rows)
