@@ -215,6 +215,7 @@ class DenseCapsules(nnx.Module):
   and the bias to 0.1, the defaults here). Su's routing variants
   (``accumulate=False``, ``squash_constant=0.5``, ``normalize_agreement``)
   are options, so his later routing with unshared weights is this layer.
+  ``routing_impl``: ``routing.dynamic_routing``'s ``impl`` (None: 'xla').
 
   Input [B, I, Din] -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
@@ -225,11 +226,14 @@ class DenseCapsules(nnx.Module):
                use_bias: bool = True,
                transform_std: float = OFFICIAL_WEIGHT_STD,
                bias_init: float = OFFICIAL_BIAS_INIT,
-               normalize_agreement: bool = False, rngs: nnx.Rngs):
+               normalize_agreement: bool = False,
+               routing_impl: str | None = None, rngs: nnx.Rngs):
     for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
                         ('out_caps', out_caps), ('out_dim', out_dim)):
       _check_positive_int(name, value)
     _check_iterations(num_iterations)
+    routing.check_dynamic_impl('routing_impl', routing_impl)
+    self.routing_impl = routing_impl
     self.num_iterations = num_iterations
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
@@ -245,7 +249,7 @@ class DenseCapsules(nnx.Module):
         u_hat, self.num_iterations, accumulate=self.accumulate,
         leaky=self.leaky, squash_constant=self.squash_constant,
         bias=None if self.bias is None else self.bias[...],
-        normalize_agreement=self.normalize_agreement)
+        normalize_agreement=self.normalize_agreement, impl=self.routing_impl)
 
 
 class SharedCapsules(nnx.Module):
@@ -255,7 +259,7 @@ class SharedCapsules(nnx.Module):
   accepts any I (any image size). Defaults follow Su's Keras ``Capsule``
   layer: glorot-uniform W over [Din, O*Dout], no bias; his routing variants
   (``accumulate=False``, ``squash_constant=0.5``, ``normalize_agreement``)
-  are options.
+  are options; ``routing_impl`` as in ``DenseCapsules``.
 
   Input [B, I, Din] (any I) -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
@@ -264,11 +268,14 @@ class SharedCapsules(nnx.Module):
                num_iterations: int = 3, *, accumulate: bool = True,
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = False, bias_init: float = OFFICIAL_BIAS_INIT,
-               normalize_agreement: bool = False, rngs: nnx.Rngs):
+               normalize_agreement: bool = False,
+               routing_impl: str | None = None, rngs: nnx.Rngs):
     for name, value in (('in_dim', in_dim), ('out_caps', out_caps),
                         ('out_dim', out_dim)):
       _check_positive_int(name, value)
     _check_iterations(num_iterations)
+    routing.check_dynamic_impl('routing_impl', routing_impl)
+    self.routing_impl = routing_impl
     self.num_iterations = num_iterations
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
@@ -287,7 +294,7 @@ class SharedCapsules(nnx.Module):
         u_hat, self.num_iterations, accumulate=self.accumulate,
         leaky=self.leaky, squash_constant=self.squash_constant,
         bias=None if self.bias is None else self.bias[...],
-        normalize_agreement=self.normalize_agreement)
+        normalize_agreement=self.normalize_agreement, impl=self.routing_impl)
 
 
 # ----------------------------------------------------------------------------

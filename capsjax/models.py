@@ -137,6 +137,8 @@ class CapsNet(nnx.Module):
   ``padding``: 'VALID' (the paper's MNIST model) or 'SAME' (the official
   code's CIFAR-10 model, ``padding=SAME`` in its README's command: 24x24
   inputs keep a 24x24 Conv1 grid and a 12x12 primary grid).
+  ``routing_impl``: DigitCaps' ``routing.dynamic_routing`` ``impl`` (None:
+  'xla'; 'pallas', the fused kernels of ``capsjax.pallas_routing``).
 
   ``form`` picks what the primary capsules compute and how the layers start:
   - 'official': the official code's model (Sarasra/models,
@@ -170,7 +172,8 @@ class CapsNet(nnx.Module):
                use_bias: bool = True, reconstruction: bool = True,
                decoder_widths: Sequence[int] = (512, 1024),
                form: str = 'text', padding: str = 'VALID',
-               conv_impl: str | None = None, rngs: nnx.Rngs):
+               conv_impl: str | None = None,
+               routing_impl: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
     # Named here, not by the layer's own argument names.
     for name, value in (('num_classes', num_classes),
@@ -205,7 +208,7 @@ class CapsNet(nnx.Module):
     self.digit = layers.DenseCapsules(
         num_primary, primary_dim, num_classes, digit_dim, num_iterations,
         accumulate=accumulate, leaky=leaky, squash_constant=squash_constant,
-        use_bias=use_bias, rngs=rngs)
+        use_bias=use_bias, routing_impl=routing_impl, rngs=rngs)
     if reconstruction:
       widths = _check_widths('decoder_widths', decoder_widths)
       self.decoder = _MLP(num_classes * digit_dim,

@@ -146,6 +146,17 @@ def _weighted_sum(votes: jax.Array, coupling: jax.Array,
   return s
 
 
+# Implementations of dynamic_routing (None: 'xla'). 'pallas' has not been
+# timed on a GPU yet, so it is never the default.
+DYNAMIC_IMPLS = (None, 'xla', 'pallas')
+
+
+def check_dynamic_impl(name: str, impl) -> None:
+  if impl not in DYNAMIC_IMPLS:
+    raise ValueError(
+        f"{name} must be None, 'xla' or 'pallas', got {impl!r}.")
+
+
 def dynamic_routing(
     votes: ArrayLike,
     num_iterations: int = 3,
@@ -155,6 +166,7 @@ def dynamic_routing(
     squash_constant: float = 1.0,
     bias: ArrayLike | None = None,
     normalize_agreement: bool = False,
+    impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Routing by agreement (Sabour et al. 2017, Procedure 1).
 
@@ -184,12 +196,23 @@ def dynamic_routing(
       ``accumulate=False`` and ``squash_constant=0.5`` this is Su's later
       routing (bojone/Capsule, March 2018), for which he reports about 95%
       against 91% in the two-digit transfer test.
+    impl: 'xla' (None: the default) or 'pallas', the same routing as fused
+      Pallas kernels (``pallas_routing.dynamic_routing``: Triton on GPUs,
+      interpreted elsewhere; first-order gradients only).
   Returns:
     (outputs, coupling): outputs [..., O, D] = v after the last iteration, in
     the votes' dtype; coupling [..., I, O] = the c that produced ``outputs``
     (float32; sums to 1 over O unless ``leaky``).
   """
   _check_iterations(num_iterations)
+  check_dynamic_impl('impl', impl)
+  if impl == 'pallas':
+    # Imported here: pallas_routing builds on this module.
+    from capsjax import pallas_routing
+    return pallas_routing.dynamic_routing(
+        votes, num_iterations, accumulate=accumulate, leaky=leaky,
+        squash_constant=squash_constant, bias=bias,
+        normalize_agreement=normalize_agreement)
   votes = jnp.asarray(votes)
   if votes.ndim < 3:
     raise ValueError(
