@@ -1,6 +1,7 @@
 """Dynamic routing's forward + backward pass: XLA against the Pallas kernels.
 
   python -m benchmarks.routing_kernels --output=/tmp/routing_kernels.jsonl
+  python -m benchmarks.routing_kernels --block_inputs=8,16,32,64
   python -m benchmarks.routing_kernels --batch_sizes=1 --num_in=40 --steps=1
 
 Times ``jax.grad`` of the sum of ``routing.dynamic_routing``'s outputs
@@ -13,7 +14,7 @@ gradient written once, over the device's bandwidth
 without the flag). Both passes re-read the votes once per iteration, so
 neither can reach that floor; it says how far each is from it. On a CPU the
 Pallas kernels run in Pallas' interpreter (a correctness run, not a speed
-figure). One JSON line per (impl, batch) goes to ``--output``.
+figure). One JSON line per (impl, block size, batch) goes to ``--output``.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help='timed calls (the median is reported)')
   parser.add_argument('--warmup', type=int, default=3,
                       help='untimed calls after compilation')
-  parser.add_argument('--block_inputs', type=int,
-                      default=pallas_routing.DEFAULT_BLOCK_INPUTS,
-                      help="input capsules per block of impl='pallas'")
+  parser.add_argument('--block_inputs',
+                      default=str(pallas_routing.DEFAULT_BLOCK_INPUTS),
+                      help="comma-separated input capsules per block of "
+                      "impl='pallas' (powers of two): one row each")
   parser.add_argument('--bandwidth_gbs', type=float, default=0.0,
                       help='memory bandwidth in GB/s (0: the datasheet '
                       'value of a known GPU, else no floor)')
@@ -118,15 +120,16 @@ def forward_backward(impl: str, num_iterations: int, block_inputs: int):
 
 
 def time_row(args: argparse.Namespace, impl: str, batch_size: int,
+             block_inputs: int | None,
              peak_bandwidth: tuple[float | None, str]) -> dict[str, Any]:
-  """One measured row: impl at batch_size."""
+  """One measured row: impl at batch_size (and block_inputs)."""
   shape = (batch_size, args.num_in, args.num_out, args.dim)
   key_votes, key_bias = jax.random.split(jax.random.key(0))
   votes = jax.random.normal(key_votes, shape, jnp.float32).astype(args.dtype)
   bias = 0.1 * jax.random.normal(key_bias, shape[-2:], jnp.float32)
   start = time.perf_counter()
   compiled = forward_backward(impl, args.num_iterations,
-                              args.block_inputs).lower(votes, bias).compile()
+                              block_inputs).lower(votes, bias).compile()
   compile_s = time.perf_counter() - start
   seconds = median_seconds(functools.partial(compiled, votes, bias),
                            args.warmup, args.steps)
@@ -136,7 +139,7 @@ def time_row(args: argparse.Namespace, impl: str, batch_size: int,
       'benchmark': 'routing_kernels', 'impl': impl,
       'batch_size': batch_size, 'votes_shape': list(shape),
       'num_iterations': args.num_iterations, 'dtype': args.dtype,
-      'block_inputs': args.block_inputs if impl == 'pallas' else None,
+      'block_inputs': block_inputs,
       'ms_per_call': 1e3 * seconds, 'compile_s': compile_s,
       'compulsory_bytes': compulsory, 'bandwidth': rate,
       'bandwidth_source': source,
@@ -151,11 +154,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   args = parse_args(argv)
   peak_bandwidth = bandwidth(args.bandwidth_gbs)
   rows = []
+  blocks = [int(b) for b in args.block_inputs.split(',')]
+  runs = [(impl, block) for impl in args.impls.split(',')
+          for block in (blocks if impl == 'pallas' else [None])]
   for batch_size in (int(b) for b in args.batch_sizes.split(',')):
-    for impl in args.impls.split(','):
-      row = time_row(args, impl, batch_size, peak_bandwidth)
+    for impl, block in runs:
+      row = time_row(args, impl, batch_size, block, peak_bandwidth)
       fraction = row['fraction_of_bandwidth_floor']
-      print(f"{impl:>6} B={batch_size:<4} {row['ms_per_call']:9.3f} ms/call  "
+      name = impl if block is None else f'{impl}/{block}'
+      print(f"{name:>10} B={batch_size:<4} {row['ms_per_call']:9.3f} ms/call  "
             f"floor fraction "
             f"{'-' if fraction is None else f'{fraction:.3f}'}"
             f"{'  (interpreted)' if row['pallas_interpreted'] else ''}",

@@ -52,9 +52,12 @@ from jax.typing import ArrayLike
 
 from capsjax import routing
 
-# Input capsules per block: a [32, 16, 16] float32 tile of the paper's
-# DigitCaps votes (O = 10 and D = 16 padded to 16) is 32 KiB in registers.
-DEFAULT_BLOCK_INPUTS = 32
+# Input capsules per block: a [16, 16, 16] float32 tile of the paper's
+# DigitCaps votes (O = 10 and D = 16 padded to 16) is 32 registers per
+# thread of 4 warps; the backward pass's last sweep holds a few such tiles
+# (the votes, their cotangent, products). Not tuned on a GPU yet
+# (benchmarks/routing_kernels.py --block_inputs sweeps it).
+DEFAULT_BLOCK_INPUTS = 16
 NUM_WARPS = 4
 # Triton software-pipelines the loop over input blocks: the next block's
 # load is issued while the current one is reduced.

@@ -125,7 +125,10 @@ def value_and_grad(route, num_iterations, options_items, with_bias):
 # Values and gradients, float64 (the kernels compute in the votes' dtype).
 
 
-@pytest.mark.parametrize('variant', sorted(VARIANTS))
+# leaky_bias runs in float32 below (its options also run here, with
+# normalize_agreement, in normalized_leaky_2).
+@pytest.mark.parametrize('variant', ['paper', 'su_2018', 'normalized_leaky_2',
+                                     'one_iteration'])
 def test_float64_values_and_gradients(variant):
   num_iterations, options, votes, bias, weights = inputs(variant)
   key = (num_iterations, tuple(sorted(options.items())), bias is not None)
@@ -228,7 +231,7 @@ def test_jit_vmap_grad_agree_with_xla():
   _, _, votes, _, (out_weights, _) = inputs('paper', (3,) + SHAPE, np.float32)
 
   def example_loss(route, v, w):
-    return jnp.sum(route(v, 3)[0] * w)
+    return jnp.sum(route(v, 2)[0] * w)  # 2 iterations: a shorter trace
 
   mapped = jax.jit(jax.vmap(jax.grad(functools.partial(example_loss, PALLAS))))(
       votes, out_weights)
@@ -254,8 +257,9 @@ def _degenerate_votes():
 def test_degenerate_inputs_finite():
   """Zero, identical, 1e15 and 1e-20 votes and a single input capsule:
   finite values and gradients, values as XLA's. (Leaky, a bias and s / |s|
-  in the logits: the options with their own edge cases.)"""
-  num_iterations = 3
+  in the logits: the options with their own edge cases; 2 iterations, the
+  fewest with a logit pass in both directions.)"""
+  num_iterations = 2
   options = {'leaky': True, 'normalize_agreement': True}
   bias = np.full(SHAPE[-2:], 0.1, np.float32)
   cases, stacked, single = _degenerate_votes()
@@ -290,7 +294,7 @@ TRITON_CALL = '__gpu$xla.gpu.triton'
 
 @pytest.mark.parametrize('shape,dtype,variant', [
     ((4, 1152, 10, 16), jnp.float32, 'paper'),  # the paper's DigitCaps
-    ((2, 1000, 10, 16), jnp.bfloat16, 'leaky_bias'),  # I % 32 = 8
+    ((2, 1000, 10, 16), jnp.bfloat16, 'leaky_bias'),  # I % 16 = 8
     ((2, 7, 3, 5), jnp.float32, 'su_2018'),
 ])
 def test_kernels_lower_to_triton_for_cuda(shape, dtype, variant):
@@ -342,16 +346,17 @@ def test_bad_arguments_and_empty_batch():
 
 
 def test_dense_capsules_routing_impl():
-  """The layer's routing_impl reaches routing.dynamic_routing."""
-  def layer(impl):
-    return layers.DenseCapsules(7, 4, 3, 5, routing_impl=impl,
-                                rngs=nnx.Rngs(params=0))
+  """The layer's routing_impl reaches routing.dynamic_routing (traced only:
+  the kernels' values are tested above)."""
+  def jaxpr(impl):
+    layer = layers.DenseCapsules(7, 4, 3, 5, routing_impl=impl,
+                                 rngs=nnx.Rngs(params=0))
+    return str(jax.make_jaxpr(layer)(jnp.zeros((2, 7, 4))))
 
-  x = np.random.default_rng(5).standard_normal((2, 7, 4)).astype(np.float32)
-  for mine, xla in zip(layer('pallas')(x), layer(None)(x), strict=True):
-    np.testing.assert_allclose(mine, xla, rtol=1e-5, atol=1e-6)
+  assert 'pallas_call' in jaxpr('pallas')
+  assert 'pallas_call' not in jaxpr(None)
   with pytest.raises(ValueError, match='routing_impl must be None'):
-    layer('cuda')
+    jaxpr('cuda')
 
 
 # ----------------------------------------------------------------------------
@@ -361,10 +366,12 @@ def test_dense_capsules_routing_impl():
 def test_benchmark_runs_tiny(tmp_path, capsys):
   output = tmp_path / 'rows.jsonl'
   routing_kernels.main(['--batch_sizes=1', '--num_in=20', '--steps=1',
-                        '--warmup=0', f'--output={output}'])
+                        '--warmup=0', '--block_inputs=8',
+                        '--num_iterations=2',
+                        f'--output={output}'])
   rows = [json.loads(line) for line in output.read_text().splitlines()]
-  assert [(r['impl'], r['batch_size']) for r in rows] == [('xla', 1),
-                                                          ('pallas', 1)]
+  assert [(r['impl'], r['block_inputs']) for r in rows] == [('xla', None),
+                                                            ('pallas', 8)]
   for row in rows:
     assert row['votes_shape'] == [1, 20, 10, 16]
     assert row['ms_per_call'] > 0
