@@ -200,22 +200,28 @@ def _forward_kernel(cfg: _Config, has_bias: bool, *refs) -> None:
   else:
     votes_ref, outputs_ref, coupling_ref, sums_ref = refs
   dtype = sums_ref.dtype
-  zeros = jnp.zeros((cfg.out_pad, cfg.dim_pad), dtype)
-  bias = _load_small(cfg, bias_ref, dtype) if has_bias else zeros
+  tile = (cfg.block_inputs, cfg.out_pad, cfg.dim_pad)
+  bias = (_load_small(cfg, bias_ref, dtype) if has_bias
+          else jnp.zeros(tile[1:], dtype))
   base = None  # A_0 = 0
   for t in range(cfg.num_iterations):
     last = t == cfg.num_iterations - 1
 
-    def block_sum(block, s, base=base, last=last):
+    def block_sum(block, partial_sums, base=base, last=last):
       u = _load_votes(cfg, votes_ref, block, dtype)
       coupling = _coupling(cfg, u, base)
       if last:
         _, coupling_mask = _masks(cfg, block)
         plt.store(coupling_ref.at[_block_index(cfg, block)],
                   coupling.astype(coupling_ref.dtype), mask=coupling_mask)
-      return s + jnp.sum(coupling[:, :, None] * u, axis=0)
+      return partial_sums + coupling[:, :, None] * u
 
-    s = jax.lax.fori_loop(0, cfg.num_blocks, block_sum, zeros) + bias
+    # A [BI, Op, Dp] partial sum, reduced over its rows once after the pass:
+    # the loop's body stays elementwise (a sum over the rows of every block
+    # would cross threads).
+    partial_sums = jax.lax.fori_loop(0, cfg.num_blocks, block_sum,
+                                     jnp.zeros(tile, dtype))
+    s = jnp.sum(partial_sums, axis=0) + bias
     sums_ref[t] = s
     if not last:
       base = _next_base(cfg, base, s)
@@ -273,7 +279,7 @@ def _base_cotangent(cfg: _Config, votes_ref, coupling_ct_ref, base, s_ct,
                     dtype) -> jax.Array:
   """dA_t = sum_i db_ti u_i, one pass over the votes ([Op, Dp]).
   ``coupling_ct_ref``: the coupling's cotangent where t = T-1, else None."""
-  def block_sum(block, base_ct):
+  def block_sum(block, partial_sums):
     u = _load_votes(cfg, votes_ref, block, dtype)
     coupling = _coupling(cfg, u, base)
     coupling_ct = None
@@ -282,10 +288,12 @@ def _base_cotangent(cfg: _Config, votes_ref, coupling_ct_ref, base, s_ct,
       coupling_ct = plt.load(coupling_ct_ref.at[_block_index(cfg, block)],
                              mask=coupling_mask, other=0).astype(dtype)
     logit_ct = _logit_cotangent(u, coupling, s_ct, coupling_ct)
-    return base_ct + jnp.sum(logit_ct[:, :, None] * u, axis=0)
+    return partial_sums + logit_ct[:, :, None] * u
 
-  zeros = jnp.zeros((cfg.out_pad, cfg.dim_pad), dtype)
-  return jax.lax.fori_loop(0, cfg.num_blocks, block_sum, zeros)
+  # Reduced over the block's rows after the pass, as in the forward kernel.
+  tile = (cfg.block_inputs, cfg.out_pad, cfg.dim_pad)
+  return jnp.sum(jax.lax.fori_loop(0, cfg.num_blocks, block_sum,
+                                   jnp.zeros(tile, dtype)), axis=0)
 
 
 def _write_votes_cotangent(cfg: _Config, votes_ref, coupling_ct_ref,
