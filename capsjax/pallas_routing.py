@@ -231,7 +231,7 @@ def _forward_kernel(cfg: _Config, has_bias: bool, *refs) -> None:
 def _call(cfg: _Config, kernel, inputs, out_shapes):
   """pallas_call over the examples (axis 0 of every input and output), each
   block the example's whole array (its axis 0 squeezed)."""
-  def spec(shape):
+  def block_spec(shape):
     rest = len(shape) - 1
     return pl.BlockSpec((None,) + tuple(shape[1:]),
                         lambda n: (n,) + (0,) * rest)
@@ -239,8 +239,8 @@ def _call(cfg: _Config, kernel, inputs, out_shapes):
   return pl.pallas_call(
       kernel,
       grid=(inputs[0].shape[0],),
-      in_specs=[spec(x.shape) for x in inputs],
-      out_specs=[spec(o.shape) for o in out_shapes],
+      in_specs=[block_spec(x.shape) for x in inputs],
+      out_specs=[block_spec(o.shape) for o in out_shapes],
       out_shape=out_shapes,
       compiler_params=plt.CompilerParams(num_warps=NUM_WARPS,
                                          num_stages=NUM_STAGES),

@@ -316,13 +316,13 @@ def test_kernels_lower_to_triton_for_cuda(shape, dtype, variant):
   def forward(v):
     return route(v, num_iterations, bias=bias)
 
-  spec = jax.ShapeDtypeStruct(shape, dtype)
+  abstract_votes = jax.ShapeDtypeStruct(shape, dtype)
   for fn, calls in ((forward, 1), (jax.grad(with_coupling), 2),
                     (jax.grad(without_coupling), 2)):
     exported = jax.export.export(
         jax.jit(fn), platforms=['cuda'],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-            TRITON_CALL)])(spec)
+            TRITON_CALL)])(abstract_votes)
     assert exported.mlir_module().count(TRITON_CALL) == calls
 
 
