@@ -124,11 +124,13 @@ def ptxas_report(kernel_pass: str, sm: int, workdir: str) -> dict:
     f.write(kernel.asm['ptx'])
   ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__),
                        'bin', 'ptxas')
+  # The PTX names its target: sm_90a, not sm_90, for a Hopper build.
+  target = re.search(r'^\.target (\w+)', kernel.asm['ptx'], re.M)[1]
   report = subprocess.run(
-      [ptxas, '-v', '--gpu-name', f'sm_{sm}', ptx, '-o', ptx + '.cubin'],
+      [ptxas, '-v', '--gpu-name', target, ptx, '-o', ptx + '.cubin'],
       capture_output=True, text=True, check=True).stderr
   return {'kernel': re.search(r"entry function '(\w+)'", report)[1],
-          'sm': sm, 'registers': int(re.search(r'Used (\d+) registers',
+          'target': target, 'registers': int(re.search(r'Used (\d+) registers',
                                                report)[1]),
           'spill_store_bytes': int(re.search(r'(\d+) bytes spill stores',
                                              report)[1]),

@@ -1,7 +1,8 @@
 """EM routing of matrix-capsule layers as pure functions: the conv capsule
-layer's windows (chunked, or through the fused CPU kernel) and the class
-capsule layer's positions. ``layers.ConvCapsules`` and
-``layers.ClassCapsules`` hold the parameters and call these.
+layer's windows (chunked, through the fused CPU kernel or, when asked, the
+Pallas kernels of ``pallas_em``) and the class capsule layer's positions.
+``layers.ConvCapsules`` and ``layers.ClassCapsules`` hold the parameters
+and call these.
 
 Shape legend as in ``capsjax.layers``: B the batch, H x W a grid (H' x W'
 after a kernel), Cin / Cout capsule types, I input capsules, O output
