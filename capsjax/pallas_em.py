@@ -35,7 +35,7 @@ JAX's, traced once per kernel, and only the order of the passes is written
 here). A last pass sums each child's vote cotangents
 over the iterations and turns them into its pose's gradient and its share
 of the shared transforms' gradient, which every window's program adds
-atomically to one [I, 4, O, 16] buffer (on a GPU the order of those
+atomically to one [I, 4, O, 4] buffer (on a GPU the order of those
 float additions, and so their rounding, varies from run to run).
 ``backward='xla'`` instead recomputes the routing through XLA (``jax.vjp``
 of ``routing.em_routing`` on ``votes.matrix_votes``) chunk by chunk of
@@ -74,9 +74,8 @@ _DIM = POSE_SIDE * POSE_SIDE
 # (benchmarks/em_kernels.py --ptxas): not timed on a GPU.
 CHILD_CHUNK = 8
 # The backward kernel holds more per chunk (the chunk's votes, their
-# cotangents and the E-step's temporaries): with 4 children it takes 244
-# registers and spills none there (8: 255 registers and spills; sm_90a:
-# 239).
+# cotangents and the E-step's temporaries): with 4 children it takes 242
+# registers there and spills none (sm_90a: 243).
 BACKWARD_CHILD_CHUNK = 4
 # Votes of the windows one backward chunk recomputes through XLA (its
 # temporaries take a few times that).
@@ -299,7 +298,7 @@ def _kernel(poses_ref, acts_ref, weights_ref, bu_ref, ba_ref, lam_ref,
 # E-step to reach the previous iteration's statistics, then makes one last
 # pass that sums each child's vote cotangents over the iterations and turns
 # them into the gradients of its pose and of the shared transforms (added
-# atomically: every window's program adds to the same [I, 4, O, 16]).
+# atomically: every window's program adds to the same [I, 4, O, 4]).
 
 
 def _replay(refs, lam_ref, valid, step_options: dict, num_iterations: int):
@@ -364,13 +363,18 @@ def _child_gradients(refs, gassign_ref, out_refs, history, cotangents, valid,
       g_v, g_a = pull_back(tuple(cotangents[t]) + (g_assign,))
       g_votes, g_acts = g_votes + g_v, g_acts + g_a
     gacts_ref[rows] = g_acts
+    square = (chunk, POSE_SIDE, POSE_SIDE)
     for q in range(POSE_SIDE):
-      gposes_ref[rows, q, :] = jnp.sum(
-          g_votes * weights_ref[rows, q, :, :], axis=1)
-      # A slice of one, not the index q: interpret mode needs slices.
+      # dM[i, p, q] = sum_(o, r) dV[i, o, 4p + r] W[i, o, q, r].
+      g_rows = jnp.sum(g_votes * weights_ref[rows, q, :, :], axis=1)
+      gposes_ref[rows, q, :] = jnp.sum(g_rows.reshape(square), axis=2)
+      # dW[i, o, q, r] = sum_p M[i, p, q] dV[i, o, 4p + r], summed over the
+      # windows by atomic adds (a slice of one, not the index q: interpret
+      # mode needs slices).
+      g_weights = (poses_ref[rows, q, :][:, None, :] * g_votes).reshape(
+          (chunk, g_votes.shape[1], POSE_SIDE, POSE_SIDE)).sum(axis=2)
       plt.atomic_add(gweights_ref, (rows, pl.ds(q, 1), slice(None),
-                                    slice(None)),
-                     (poses_ref[rows, q, :][:, None, :] * g_votes)[:, None])
+                                    slice(None)), g_weights[:, None])
     return carry
 
   jax.lax.fori_loop(0, num_chunks, body, 0)
@@ -487,19 +491,20 @@ def _backward_pallas(static: _Static, residuals, cotangents):
   num, num_in, num_out, chunk, num_in_pad, num_out_pad, num_lambdas = sizes
   dtype = residuals[0].dtype
   g_means, g_acts, g_assign = (jnp.asarray(c, dtype) for c in cotangents)
-  weight_shape = (num_in_pad, POSE_SIDE, num_out_pad, _DIM)
+  # dM as [N, I_pad, q, p], dW as [I_pad, q, O_pad, r].
+  pose_shape = (num_in_pad, POSE_SIDE, POSE_SIDE)
+  weight_shape = (num_in_pad, POSE_SIDE, num_out_pad, POSE_SIDE)
   kernel = functools.partial(_backward_kernel, num_out=num_out, chunk=chunk,
                              options=static.em_routing)
-  out_shapes = [(num, num_in_pad, POSE_SIDE, _DIM), (num, num_in_pad),
-                weight_shape, (num, num_out_pad), (num, num_out_pad),
-                (num, num_lambdas)]
+  out_shapes = [(num,) + pose_shape, (num, num_in_pad), weight_shape,
+                (num, num_out_pad), (num, num_out_pad), (num, num_lambdas)]
   grads = pl.pallas_call(
       kernel, grid=(num,),
       in_specs=in_specs + [_per_window(num_out_pad, _DIM),
                            _per_window(num_out_pad),
                            _per_window(num_in_pad, num_out_pad),
                            _whole(*weight_shape)],
-      out_specs=[in_specs[0], in_specs[1], in_specs[2],
+      out_specs=[_per_window(*pose_shape), in_specs[1], _whole(*weight_shape),
                  _per_window(num_out_pad), _per_window(num_out_pad),
                  _per_window(num_lambdas)],
       out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes],
@@ -515,21 +520,17 @@ def _backward_pallas(static: _Static, residuals, cotangents):
 
 
 def _unexpand_gradients(grads, residuals):
-  """The backward kernel's gradients, of the expanded and padded inputs, as
-  gradients of ``_route``'s inputs."""
+  """The backward kernel's padded gradients (dM as [N, I_pad, q, p], dW as
+  [I_pad, q, O_pad, r], the betas' and lambdas' per window) as gradients
+  of ``_route``'s inputs."""
   poses, activations, weights, _, _, lambdas = residuals
   num, num_in = activations.shape
   num_out = weights.shape[1]
   g_poses, g_acts, g_weights, g_bu, g_ba, g_lam = grads
-  # E[n, i, q, 4p + r] = M[n, i, p, q]: M's gradient sums over r.
-  g_poses = g_poses[:, :num_in].reshape(num, num_in, POSE_SIDE, POSE_SIDE,
-                                        POSE_SIDE).sum(-1)
-  # F[i, q, o, 4p + r] = W[i, o, q, r]: W's gradient sums over p.
-  g_weights = g_weights[:num_in, :, :num_out].reshape(
-      num_in, POSE_SIDE, num_out, POSE_SIDE, POSE_SIDE).sum(3)
-  return (jnp.swapaxes(g_poses, -1, -2), g_acts[:, :num_in],
-          jnp.swapaxes(g_weights, 1, 2), g_bu.sum(0)[:num_out],
-          g_ba.sum(0)[:num_out], g_lam.sum(0)[:lambdas.shape[0]])
+  return (jnp.swapaxes(g_poses[:, :num_in], -1, -2), g_acts[:, :num_in],
+          jnp.swapaxes(g_weights[:num_in, :, :num_out], 1, 2),
+          g_bu.sum(0)[:num_out], g_ba.sum(0)[:num_out],
+          g_lam.sum(0)[:lambdas.shape[0]])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
