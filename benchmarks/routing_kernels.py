@@ -1,61 +1,53 @@
 """Dynamic routing's forward + backward pass: XLA against the Pallas kernels.
 
-  python -m benchmarks.routing_kernels --output=/tmp/routing_kernels.jsonl
+  python -m benchmarks.routing_kernels --batch_sizes=64,128 --output=F.jsonl
   python -m benchmarks.routing_kernels --block_inputs=8,16,32,64
-  python -m benchmarks.routing_kernels --batch_sizes=1 --num_in=40 --steps=1
+  python -m benchmarks.routing_kernels --tiny --output=F.jsonl
+  python -m benchmarks.routing_kernels --ptxas=forward,backward --sm=80
 
 Times ``jax.grad`` of the sum of ``routing.dynamic_routing``'s outputs
 (votes [B, I, O, D] and a bias [O, D], as DigitCaps routes them; the paper's
 B = 64 and 128, I = 1152, O = 10, D = 16, 3 iterations by default) for each
-``impl`` ('xla', 'pallas'), and prints the median milliseconds per call and
-the fraction of the memory-bandwidth floor: the votes read once and their
-gradient written once, over the device's bandwidth
-(``capsjax.flops.DEVICE_PEAKS``, or ``--bandwidth_gbs``; none on a CPU
-without the flag). Both passes re-read the votes once per iteration, so
-neither can reach that floor; it says how far each is from it. On a CPU the
-Pallas kernels run in Pallas' interpreter (a correctness run, not a speed
-figure). One JSON line per (impl, block size, batch) goes to ``--output``.
+``impl`` ('xla', 'pallas'), the impls timed in turn in one process, and
+prints the median milliseconds per call and the fraction of the
+memory-bandwidth floor: the votes read once and their gradient written
+once, over the device's bandwidth (``capsjax.flops.DEVICE_PEAKS``, or
+``--bandwidth_gbs``; none on a CPU without the flag). Both passes re-read
+the votes once per iteration, so neither can reach that floor; it says how
+far each is from it. On a CPU the Pallas kernels run in Pallas' interpreter
+(a correctness run, not a speed figure). One JSON line per (impl, block
+size, batch) goes to ``--output``. ``--tiny``: B = 1, I = 20, blocks of 8,
+one step. ``--ptxas`` builds the forward or backward kernel at these shapes
+(B = 64) for a GPU without one (``benchmarks.kernel_bench``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import platform
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 
+from benchmarks import kernel_bench
 from capsjax import flops as flops_lib
 from capsjax import pallas_routing
 from capsjax import routing
 
 IMPLS = ('xla', 'pallas')
+KERNELS = {'forward': '_forward_kernel', 'backward': '_backward_kernel'}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--batch_sizes', default='64,128',
-                      help='comma-separated batch sizes B')
+  kernel_bench.add_flags(parser, batch_sizes='64,128', impls=','.join(IMPLS))
   parser.add_argument('--num_in', type=int, default=1152, help='I')
   parser.add_argument('--num_out', type=int, default=10, help='O')
   parser.add_argument('--dim', type=int, default=16, help='D')
   parser.add_argument('--num_iterations', type=int, default=3)
-  parser.add_argument('--impls', default=','.join(IMPLS),
-                      help=f'comma-separated, of {IMPLS}')
   parser.add_argument('--dtype', default='float32',
                       choices=('float32', 'bfloat16'), help='of the votes')
-  parser.add_argument('--steps', type=int, default=20,
-                      help='timed calls (the median is reported)')
-  parser.add_argument('--warmup', type=int, default=3,
-                      help='untimed calls after compilation')
   parser.add_argument('--block_inputs',
                       default=str(pallas_routing.DEFAULT_BLOCK_INPUTS),
                       help="comma-separated input capsules per block of "
@@ -63,36 +55,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--bandwidth_gbs', type=float, default=0.0,
                       help='memory bandwidth in GB/s (0: the datasheet '
                       'value of a known GPU, else no floor)')
-  parser.add_argument('--output', default='',
-                      help='append one JSON line per row to this path')
-  args = parser.parse_args(argv)
-  for impl in args.impls.split(','):
+  args = kernel_bench.parse(parser, argv)
+  if args.tiny:
+    args.num_in, args.block_inputs = 20, '8'
+  args.block_inputs = [int(b) for b in args.block_inputs.split(',')]
+  for impl in args.impls:
     routing.check_dynamic_impl('--impls', impl)
   return args
-
-
-def median_seconds(call: Callable[[], Any], warmup: int, steps: int
-                   ) -> float:
-  """Median wall time of ``call()`` (synchronised) over ``steps`` calls,
-  as ``benchmarks.harness`` times (not imported: it loads every model)."""
-  for _ in range(warmup):
-    jax.block_until_ready(call())
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def environment() -> dict[str, Any]:
-  return {
-      'jax_version': jax.__version__, 'jaxlib_version': jaxlib.__version__,
-      'backend': jax.default_backend(),
-      'device': jax.devices()[0].device_kind,
-      'python': platform.python_version(), 'machine': platform.machine(),
-      'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
-  }
 
 
 def bandwidth(flag_gbs: float) -> tuple[float | None, str]:
@@ -105,72 +74,92 @@ def bandwidth(flag_gbs: float) -> tuple[float | None, str]:
   return peak.bandwidth, 'datasheet (capsjax.flops.DEVICE_PEAKS)'
 
 
-def forward_backward(impl: str, num_iterations: int, block_inputs: int):
-  """jit(d/d votes of sum(outputs)) of dynamic routing with a bias."""
+def loss_fn(impl: str, num_iterations: int, block_inputs: int | None,
+            interpret: bool | None = None):
+  """(votes [B, I, O, D], bias [O, D]) -> sum of dynamic routing's outputs
+  (``interpret``: the Pallas kernels', None: off a GPU)."""
   if impl == 'pallas':
     route = functools.partial(pallas_routing.dynamic_routing,
-                              block_inputs=block_inputs)
+                              block_inputs=block_inputs, interpret=interpret)
   else:
     route = functools.partial(routing.dynamic_routing, impl=impl)
 
   def loss(votes, bias):
     outputs, _ = route(votes, num_iterations, bias=bias)
     return jnp.sum(outputs.astype(jnp.float32))
-  return jax.jit(jax.grad(loss))
+  return loss
 
 
-def time_row(args: argparse.Namespace, impl: str, batch_size: int,
-             block_inputs: int | None,
-             peak_bandwidth: tuple[float | None, str]) -> dict[str, Any]:
-  """One measured row: impl at batch_size (and block_inputs)."""
+def ptxas_builds(args: argparse.Namespace) -> list[kernel_bench.Build]:
+  """The Pallas kernels at the flags' shapes (B = 64), one per pass and
+  block size."""
+  shapes = [jax.ShapeDtypeStruct((64, args.num_in, args.num_out, args.dim),
+                                 args.dtype),
+            jax.ShapeDtypeStruct((args.num_out, args.dim), jnp.float32)]
+  builds = []
+  for kernel_pass in args.ptxas.split(','):
+    for block in args.block_inputs:
+      loss = loss_fn('pallas', args.num_iterations, block, interpret=False)
+      fn = loss if kernel_pass == 'forward' else jax.grad(loss)
+      fields = {'benchmark': 'routing_kernels', 'pass': kernel_pass,
+                'votes_shape': list(shapes[0].shape), 'dtype': args.dtype,
+                'num_iterations': args.num_iterations, 'block_inputs': block}
+      builds.append((fields, fn, shapes, KERNELS[kernel_pass]))
+  return builds
+
+
+def time_rows(args: argparse.Namespace, batch_size: int,
+              peak_bandwidth: tuple[float | None, str]
+              ) -> list[dict[str, Any]]:
+  """One measured row per impl (and block size) at batch_size, timed in
+  turn."""
   shape = (batch_size, args.num_in, args.num_out, args.dim)
   key_votes, key_bias = jax.random.split(jax.random.key(0))
   votes = jax.random.normal(key_votes, shape, jnp.float32).astype(args.dtype)
   bias = 0.1 * jax.random.normal(key_bias, shape[-2:], jnp.float32)
-  start = time.perf_counter()
-  compiled = forward_backward(impl, args.num_iterations,
-                              block_inputs).lower(votes, bias).compile()
-  compile_s = time.perf_counter() - start
-  seconds = median_seconds(functools.partial(compiled, votes, bias),
-                           args.warmup, args.steps)
+  runs = {(impl if block is None else f'{impl}/{block}'): (impl, block)
+          for impl in args.impls
+          for block in (args.block_inputs if impl == 'pallas' else [None])}
+  calls, compile_s = {}, {}
+  for name, (impl, block) in runs.items():
+    calls[name], compile_s[name] = kernel_bench.compiled_call(
+        jax.grad(loss_fn(impl, args.num_iterations, block)), votes, bias)
+  seconds = kernel_bench.median_seconds(calls, args)
   compulsory = 2 * votes.size * votes.dtype.itemsize
   rate, source = peak_bandwidth
-  return {
+  return [{
       'benchmark': 'routing_kernels', 'impl': impl,
       'batch_size': batch_size, 'votes_shape': list(shape),
       'num_iterations': args.num_iterations, 'dtype': args.dtype,
-      'block_inputs': block_inputs,
-      'ms_per_call': 1e3 * seconds, 'compile_s': compile_s,
+      'block_inputs': block,
+      'ms_per_call': 1e3 * seconds[name], 'compile_s': compile_s[name],
       'compulsory_bytes': compulsory, 'bandwidth': rate,
       'bandwidth_source': source,
-      'fraction_of_bandwidth_floor': (None if rate is None
-                                      else compulsory / rate / seconds),
+      'fraction_of_bandwidth_floor': (None if rate is None else
+                                      compulsory / rate / seconds[name]),
       'pallas_interpreted': impl == 'pallas' and jax.default_backend() != 'gpu',
-      'steps': args.steps, 'warmup': args.warmup,
-  } | environment()
+      'steps': args.steps, 'warmup': args.warmup, 'tiny': args.tiny,
+  } | kernel_bench.environment() for name, (impl, block) in runs.items()]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   args = parse_args(argv)
+  if args.ptxas:
+    return kernel_bench.write_ptxas_rows(args, ptxas_builds(args))
   peak_bandwidth = bandwidth(args.bandwidth_gbs)
   rows = []
-  blocks = [int(b) for b in args.block_inputs.split(',')]
-  runs = [(impl, block) for impl in args.impls.split(',')
-          for block in (blocks if impl == 'pallas' else [None])]
-  for batch_size in (int(b) for b in args.batch_sizes.split(',')):
-    for impl, block in runs:
-      row = time_row(args, impl, batch_size, block, peak_bandwidth)
+  for batch_size in args.batch_sizes:
+    for row in time_rows(args, batch_size, peak_bandwidth):
       fraction = row['fraction_of_bandwidth_floor']
-      name = impl if block is None else f'{impl}/{block}'
+      block = row['block_inputs']
+      name = row['impl'] if block is None else f"{row['impl']}/{block}"
       print(f"{name:>10} B={batch_size:<4} {row['ms_per_call']:9.3f} ms/call  "
             f"floor fraction "
             f"{'-' if fraction is None else f'{fraction:.3f}'}"
             f"{'  (interpreted)' if row['pallas_interpreted'] else ''}",
             flush=True)
+      kernel_bench.write_row(args.output, row)
       rows.append(row)
-      if args.output:
-        with open(args.output, 'a') as f:
-          f.write(json.dumps(row) + '\n')
   return rows
 
 

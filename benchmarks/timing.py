@@ -1,9 +1,10 @@
 """Alternated timing of several calls in one process, for the layer benchmarks.
 
-Each call is run twice to warm up, then ``rounds`` times in turn, ``reps``
-calls at a time; the result is each call's median seconds per call. Timing
-the sides in turn, in one process, exposes them to the same load, so their
-ratio means more than either time on a shared machine.
+Each call is run ``warmup`` times (2 by default) to warm up, then
+``rounds`` times in turn, ``reps`` calls at a time; the result is each
+call's median seconds per call. Timing the sides in turn, in one process,
+exposes them to the same load, so their ratio means more than either time
+on a shared machine.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ def retain_host_memory() -> str:
 
 
 def time_calls_alternately(calls: dict[str, Callable[[], object]],
-                           rounds: int, reps: int = 3) -> dict[str, float]:
+                           rounds: int, reps: int = 3, warmup: int = 2
+                           ) -> dict[str, float]:
   """{name: callable that blocks until done} -> {name: median s per call}."""
   times: dict[str, list[float]] = {name: [] for name in calls}
   for fn in calls.values():
-    fn()
-    fn()
+    for _ in range(warmup):
+      fn()
   for _ in range(rounds):
     for name, fn in calls.items():
       start = time.perf_counter()

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from benchmarks import em_kernels
+from benchmarks import kernel_bench
 from capsjax import capsule_routing
 from capsjax import em_kernel
 from capsjax import layers
@@ -268,8 +269,9 @@ def test_paper_conv_capsule_kernel_compiles_to_sm80_without_spills(tmp_path):
   # says how many registers it takes and that it spills none
   # (``--ptxas=backward`` builds the backward kernel, about a minute here).
   pytest.importorskip('triton')
-  row = em_kernels.ptxas_report('forward', 80, str(tmp_path))
-  assert row['kernel'] == 'em_conv_windows'
+  [(_, fn, shapes, name)] = em_kernels.ptxas_builds('forward')
+  row = kernel_bench.ptxas_report(fn, shapes, name, 80, str(tmp_path))
+  assert (row['kernel'], row['target']) == ('em_conv_windows', 'sm_80')
   assert row['spill_store_bytes'] == 0 and 0 < row['registers'] <= 255
 
 
@@ -304,8 +306,8 @@ def test_bad_arguments_raise_value_error():
 def test_benchmark_runs_tiny_on_the_cpu(tmp_path):
   out = tmp_path / 'rows.jsonl'
   em_kernels.main(['--tiny', '--layers=convcaps2', '--impls=pallas',
-                   '--rounds=1', '--reps=1', f'--out={out}'])
+                   f'--output={out}'])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
-  assert [(r['layer'], r['batch'], r['impl']) for r in rows] == [
-      ('convcaps2', 1, 'pallas')]
+  assert [(r['layer'], r['batch_size'], r['impl'], r['steps']) for r in rows
+          ] == [('convcaps2', 1, 'pallas', 1)]
   assert all(r['ms_per_call'] > 0 and r['windows'] == 9 for r in rows)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks import kernel_bench
 from benchmarks import routing_kernels
 from capsjax import layers
 from capsjax import pallas_routing
@@ -365,15 +366,25 @@ def test_dense_capsules_routing_impl():
 
 def test_benchmark_runs_tiny(tmp_path, capsys):
   output = tmp_path / 'rows.jsonl'
-  routing_kernels.main(['--batch_sizes=1', '--num_in=20', '--steps=1',
-                        '--warmup=0', '--block_inputs=8',
-                        '--num_iterations=2',
-                        f'--output={output}'])
+  routing_kernels.main(['--tiny', '--num_iterations=2', f'--output={output}'])
   rows = [json.loads(line) for line in output.read_text().splitlines()]
   assert [(r['impl'], r['block_inputs']) for r in rows] == [('xla', None),
                                                             ('pallas', 8)]
   for row in rows:
     assert row['votes_shape'] == [1, 20, 10, 16]
-    assert row['ms_per_call'] > 0
+    assert row['ms_per_call'] > 0 and row['steps'] == 1
     assert row['compulsory_bytes'] == 2 * 20 * 10 * 16 * 4
   assert 'pallas' in capsys.readouterr().out
+
+
+def test_paper_kernel_compiles_to_sm80_without_spills(tmp_path):
+  # Where the Triton compiler is installed (PyTorch brings it), its build of
+  # the forward kernel at the paper's DigitCaps shape for an A100 (sm_80),
+  # without a GPU: ptxas says how many registers it takes and that it
+  # spills none (``--ptxas=forward,backward`` builds both).
+  pytest.importorskip('triton')
+  args = routing_kernels.parse_args(['--ptxas=forward'])
+  [(_, fn, shapes, name)] = routing_kernels.ptxas_builds(args)
+  row = kernel_bench.ptxas_report(fn, shapes, name, 80, str(tmp_path))
+  assert (row['kernel'], row['target']) == ('_forward_kernel', 'sm_80')
+  assert row['spill_store_bytes'] == 0 and 0 < row['registers'] <= 255
