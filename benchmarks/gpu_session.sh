@@ -2,7 +2,8 @@
 # One prepared GPU session, at most 9 minutes on a fresh machine without
 # internet: the environment, profiles of the paper CapsNet's and the paper
 # EM model's train steps, capsjax's best mode against PyTorch's best for
-# each model at two batch sizes, the routing and EM kernel tests, and all
+# each model at two batch sizes, the Pallas routing kernels against XLA,
+# the routing, Pallas and EM kernel tests, and all
 # the evidence in at most 8 files under $OUT.
 #
 # Before the call, once, in the repository root (on a machine with pip's
@@ -131,7 +132,8 @@ if [ "$DRY" = 1 ]; then
   CAPS_B=(2 4); EM_B=(2 4); PROFILE_B=(4 2); PROFILE_STEPS=2
   TORCH=eager_float32; DTYPES=float32; EM_DTYPES=float32
   FAST="--steps=1 --warmup=0 --rounds=1"; SLOW="--steps=1 --warmup=0 --rounds=1"
-  CAP_PROFILE=60; CAP_FAST=60; CAP_EM=60; CAP_TESTS=60
+  CAP_PROFILE=60; CAP_FAST=60; CAP_EM=60; CAP_TESTS=60; CAP_KERNELS=60
+  ROUTING_KERNELS=(--tiny); EM_KERNELS=(--tiny)
   TESTS_ARGS=(--co)
 else
   CAPSNET=capsnet_mnist; EM=matrix_capsnet_mnist
@@ -144,7 +146,8 @@ else
   # compile costs about 20 s, more than this session can spare.
   EM_DTYPES=${EM_DTYPES:-float32}
   FAST="--steps=10 --warmup=2 --rounds=3"; SLOW="--steps=5 --warmup=2 --rounds=3"
-  CAP_PROFILE=70; CAP_FAST=60; CAP_EM=110; CAP_TESTS=150
+  CAP_PROFILE=70; CAP_FAST=60; CAP_EM=110; CAP_TESTS=150; CAP_KERNELS=60
+  ROUTING_KERNELS=(--batch_sizes=64,128); EM_KERNELS=(--batch_sizes=16,64)
   TESTS_ARGS=(-x -q -p no:cacheprovider -rfE --durations=15)
 fi
 
@@ -167,6 +170,18 @@ compare() {  # CAP NAME MODEL BATCH DTYPES STEPS...
 }
 compare "$CAP_FAST" capsnet_b${CAPS_B[0]} $CAPSNET ${CAPS_B[0]} $DTYPES $FAST
 compare "$CAP_EM" em_b${EM_B[0]} $EM ${EM_B[0]} $EM_DTYPES $SLOW
+# The Pallas kernels (never the default until measured here): the routing
+# alone against XLA's, then the train steps that route with them.
+step "$CAP_KERNELS" routing_kernels -- "$PY" -m benchmarks.routing_kernels \
+  "${ROUTING_KERNELS[@]}" --output="$WORK/json/routing_kernels.jsonl"
+step "$CAP_KERNELS" em_kernels -- "$PY" -m benchmarks.em_kernels \
+  "${EM_KERNELS[@]}" --output="$WORK/json/em_kernels.jsonl"
+step "$CAP_FAST" capsnet_pallas_b${CAPS_B[0]} -- "$PY" -m experiments.benchmark \
+  --model=$CAPSNET --batch_size=${CAPS_B[0]} --model_option=routing_impl=pallas \
+  $FAST --output="$WORK/json/capsnet_pallas.json"
+step "$CAP_EM" em_pallas_b${EM_B[0]} -- "$PY" -m experiments.benchmark \
+  --model=$EM --batch_size=${EM_B[0]} --model_option=routing_impl=pallas \
+  $SLOW --output="$WORK/json/em_pallas.json"
 compare "$CAP_FAST" capsnet_b${CAPS_B[1]} $CAPSNET ${CAPS_B[1]} $DTYPES $FAST
 compare "$CAP_EM" em_b${EM_B[1]} $EM ${EM_B[1]} $EM_DTYPES $SLOW
 compare "$CAP_FAST" su_b${CAPS_B[0]} two_digit_capsnet ${CAPS_B[0]} $DTYPES $FAST
@@ -179,7 +194,8 @@ step "$CAP_FAST" efficient -- "$PY" -m experiments.benchmark \
 # (d) The routing and EM kernel tests on this device.
 RESERVE=0
 step "$CAP_TESTS" tests -- "$PY" -m pytest "${TESTS_ARGS[@]}" \
-  tests/test_routing.py tests/test_em_kernel.py tests/test_released_em.py
+  tests/test_routing.py tests/test_em_kernel.py tests/test_released_em.py \
+  tests/test_pallas_routing.py tests/test_pallas_em.py
 
 # (e) The comparison tables into the summary, then the last pack.
 {
@@ -200,6 +216,10 @@ for row in plain:
   print(f"{row['model']} batch {row['batch_size']} {row['dtype']}: train "
         f"{row.get('train_images_per_s') or 0:.0f} img/s, compile "
         f"{row.get('compile_s') or 0:.1f} s")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], '*.jsonl'))):
+  print(os.path.basename(path))
+  for line in open(path):
+    print(' ', line.strip())
 EOF
   echo "total $(( $(date +%s) - T0 )) s"
 } >> "$SUMMARY" 2>&1
