@@ -46,6 +46,24 @@ def test_results_holds_at_most_its_budget_of_files():
       '(results/README.md says how)')
 
 
+def test_every_record_folder_is_in_the_index():
+  """results/README.md names every claim's folder (results/X/ and
+  results/benchmarks/X/), so no record is out of the index."""
+  results = os.path.join(REPO, 'results')
+  claims = set()
+  for path in _results_files():
+    # (git's paths are relative to the checkout; os.walk's are absolute)
+    parts = os.path.relpath(os.path.join(REPO, path), results).split(os.sep)
+    depth = 2 if parts[0] == 'benchmarks' else 1
+    if len(parts) > depth:
+      claims.add('/'.join(parts[:depth]))
+  with open(os.path.join(REPO, 'results', 'README.md'), encoding='utf-8') as f:
+    index = f.read()
+  missing = sorted(c for c in claims if f'`{c}/`' not in index)
+  assert not missing, (f'results/README.md does not index {missing}: add a '
+                       'row naming each folder, its claim and device')
+
+
 @pytest.mark.parametrize('name, budget', [
     ('BENCHMARKS.md', BENCHMARKS_MAX_LINES),
     ('README.md', README_MAX_LINES),
