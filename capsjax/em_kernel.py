@@ -174,6 +174,21 @@ def _route_backward(attributes, residuals, cotangents):
 _route.defvjp(_route_forward, _route_backward)
 
 
+def check_window_shapes(kernel: str, poses: jax.Array,
+                        activations: jax.Array, weights: jax.Array) -> None:
+  """ValueError, naming ``kernel``, unless poses are [N, I, 4, 4],
+  activations [N, I] and weights [I, O, 4, 4] (the window kernels' inputs,
+  this one's and ``pallas_em``'s)."""
+  if (poses.ndim != 4 or poses.shape[2:] != (POSE_SIDE, POSE_SIDE)
+      or activations.shape != poses.shape[:2] or weights.ndim != 4
+      or weights.shape[0] != poses.shape[1]
+      or weights.shape[2:] != (POSE_SIDE, POSE_SIDE)):
+    raise ValueError(
+        f'{kernel}: poses [N, I, 4, 4] = {poses.shape}, activations [N, I] = '
+        f'{activations.shape} and weights [I, O, 4, 4] = {weights.shape} do '
+        f'not match.')
+
+
 def route_windows(poses, activations, weights, beta_u, beta_a,
                   num_iterations: int | None = None, *,
                   em_routing: routing.EMRouting | None = None, **fields
@@ -205,14 +220,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
                      'without the released path or normalize_across_positions.')
   poses, activations = jnp.asarray(poses), jnp.asarray(activations)
   weights = jnp.asarray(weights)
-  if (poses.ndim != 4 or poses.shape[2:] != (POSE_SIDE, POSE_SIDE)
-      or activations.shape != poses.shape[:2] or weights.ndim != 4
-      or weights.shape[0] != poses.shape[1]
-      or weights.shape[2:] != (POSE_SIDE, POSE_SIDE)):
-    raise ValueError(
-        f'EM routing kernel: poses [N, I, 4, 4] = {poses.shape}, activations '
-        f'[N, I] = {activations.shape} and weights [I, O, 4, 4] = '
-        f'{weights.shape} do not match.')
+  check_window_shapes('EM routing kernel', poses, activations, weights)
   dtype = jnp.promote_types(poses.dtype, jnp.float32)
   num_out = weights.shape[1]
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from capsjax import em_kernel
 from capsjax import routing
 from capsjax import votes as votes_lib
 
@@ -652,7 +653,8 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
     raise ValueError(f"backward must be 'pallas' or 'xla', got {backward!r}.")
   poses, activations = jnp.asarray(poses), jnp.asarray(activations)
   weights = jnp.asarray(weights)
-  _check_shapes(poses, activations, weights)
+  em_kernel.check_window_shapes('Pallas EM kernel', poses, activations,
+                                weights)
   dtype = jnp.promote_types(poses.dtype, jnp.float32)
   num_out = weights.shape[1]
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
@@ -665,17 +667,3 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   return _route(poses.astype(dtype), activations.astype(dtype),
                 weights.astype(dtype), cast(beta_u), cast(beta_a), lambdas,
                 static)
-
-
-def _check_shapes(poses: jax.Array, activations: jax.Array,
-                  weights: jax.Array) -> None:
-  """ValueError unless poses are [N, I, 4, 4], activations [N, I] and
-  weights [I, O, 4, 4]."""
-  if (poses.ndim != 4 or poses.shape[2:] != (POSE_SIDE, POSE_SIDE)
-      or activations.shape != poses.shape[:2] or weights.ndim != 4
-      or weights.shape[0] != poses.shape[1]
-      or weights.shape[2:] != (POSE_SIDE, POSE_SIDE)):
-    raise ValueError(
-        f'Pallas EM kernel: poses [N, I, 4, 4] = {poses.shape}, activations '
-        f'[N, I] = {activations.shape} and weights [I, O, 4, 4] = '
-        f'{weights.shape} do not match.')
