@@ -388,3 +388,19 @@ def test_paper_kernel_compiles_to_sm80_without_spills(tmp_path):
   row = kernel_bench.ptxas_report(fn, shapes, name, 80, str(tmp_path))
   assert (row['kernel'], row['target']) == ('_forward_kernel', 'sm_80')
   assert row['spill_store_bytes'] == 0 and 0 < row['registers'] <= 255
+
+
+def test_the_paper_configs_select_the_kernels_by_flag():
+  """--config.model_options.routing_impl=pallas reaches a model option of
+  that name (a typed key: ml_collections refuses unknown keys)."""
+  from capsjax import models
+  from experiments.configs import capsnet_mnist
+  from experiments.configs import matrix_capsnet_mnist
+  for module in (capsnet_mnist, matrix_capsnet_mnist):
+    for variant in ('', 'smoke'):
+      config = module.get_config(variant)
+      assert config.model_options.routing_impl is None
+      assert 'routing_impl' in models.model_options(config.model)
+      config.model_options.routing_impl = 'pallas'
+      with pytest.raises(TypeError):
+        config.model_options.routing_impl = 3

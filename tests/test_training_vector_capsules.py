@@ -441,6 +441,14 @@ def test_rerun_with_another_config_is_checked_before_anything_is_written(
           '0.005.') in out, out
   assert 'Resuming from the checkpoint of step 4' in out
   assert summary['steps'] == 6
+  # Another implementation of the same parameters: accepted and said.
+  other_impl = tiny_config(tiny_mnist, num_train_steps=7, learning_rate=5e-3)
+  other_impl.model_options.routing_impl = 'xla'
+  summary = vector_capsules.train_and_evaluate(other_impl, str(workdir))
+  out = capsys.readouterr().out
+  assert ('Changed from the stored config: model_options.routing_impl None '
+          "-> 'xla'; num_train_steps 6 -> 7.") in out, out
+  assert summary['steps'] == 7
 
 
 def test_unwritable_workdir_names_it_and_the_fix(tmp_path, tiny_mnist):

@@ -212,6 +212,11 @@ _SAFE_CHANGES = ('num_train_steps', 'log_every_steps', 'eval_every_steps',
                  'select_on_validation', 'debug_poison_step', 'models', 'runs',
                  'figure_pairs')
 _UNUSABLE_CHANGES = ('model', 'model_options', 'dataset')
+# Model options that choose how the same parameters are computed, not
+# what they are: a run may resume with another (e.g. the Pallas routing
+# kernels on a GPU after a CPU start).
+_IMPLEMENTATION_OPTIONS = tuple(f'model_options.{name}' for name in (
+    'conv_impl', 'routing_impl', 'remat', 'remat_iterations', 'window_chunk'))
 
 
 def config_changes(config: ml_collections.ConfigDict, workdir: str
@@ -235,14 +240,16 @@ def config_changes(config: ml_collections.ConfigDict, workdir: str
   describe = lambda keys: '; '.join(  # noqa: E731
       f'{k} {stored.get(k, "(absent)")!r} -> {new.get(k, "(absent)")!r}'
       for k in keys)
-  unusable = [k for k in changed if top(k) in _UNUSABLE_CHANGES]
+  unusable = [k for k in changed if top(k) in _UNUSABLE_CHANGES
+              and k not in _IMPLEMENTATION_OPTIONS]
   if unusable:
     raise ValueError(
         f'{workdir} holds a checkpoint of another model: '
         f'{describe(unusable)} (its config.json against this command). '
         f'Nothing was written. Use another --workdir for this model, or '
         f'rerun with the stored values to resume.')
-  safe = [k for k in changed if top(k) in _SAFE_CHANGES]
+  safe = [k for k in changed
+          if top(k) in _SAFE_CHANGES or k in _IMPLEMENTATION_OPTIONS]
   return describe(safe), describe([k for k in changed if k not in safe])
 
 
