@@ -38,7 +38,8 @@ the last call's training images/s, device and commit.
 ``--readme=README.md`` (paper suite) also writes the table of the suite's
 finished rows (all of them, whatever ``--only`` selects; nothing while
 none has finished) between the README's ``<!-- reproduction:begin -->``
-and ``<!-- reproduction:end -->`` lines; with --suite=bench,
+and ``<!-- reproduction:end -->`` lines, keeping the rows other suite
+workdirs wrote there (a GPU's, another machine's); with --suite=bench,
 ``--benchmarks=BENCHMARKS.md`` writes its table there under the device's
 name.
 
@@ -778,8 +779,8 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
       if signals.signum is not None:
         break
     # The records and tables cover the whole suite, not only this call's
-    # --only: the README block is rewritten whole, and an experiment may
-    # have finished, or lost its result, since it was last selected.
+    # --only: an experiment may have finished, or lost its result, since
+    # it was last selected.
     names = [name for name in by_name if name in state['experiments']]
     for name in names:
       _update_rows(by_name[name], workdir, state['experiments'][name])
@@ -791,7 +792,9 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
            for name in names):
       # (without a finished row the README keeps what it says)
       if readme:
-        update_readme(readme, finished_rows)
+        state['readme_rows'] = update_readme(
+            readme, finished_rows, state.get('readme_rows', []))
+        save()
       if benchmarks:
         update_benchmarks(benchmarks, state, finished_rows)
   if signals.signum is not None:
@@ -879,9 +882,29 @@ def write_block(path: str, table: str, begin: str, end: str,
   metrics.write_text_atomic(path, text[:start] + '\n' + table + text[stop:])
 
 
-def update_readme(path: str, table: str) -> None:
-  """The finished rows into README's reproduction block."""
+def update_readme(path: str, table: str, written_before: list[str] = ()
+                  ) -> list[str]:
+  """The finished rows into README's reproduction block, keeping the rows
+  that other suite workdirs wrote (a GPU's, another machine's).
+
+  ``written_before``: the rows' titles this workdir wrote earlier; those,
+  and the titles in ``table``, are this workdir's: replaced by ``table``'s
+  rows (gone when no longer finished). Other rows stay, first. A new header
+  replaces the block whole. Returns the titles this workdir has written.
+  """
+  with open(path) as f:
+    text = f.read()
+  start, stop = text.find(README_BEGIN), text.find(README_END)
+  old = (text[start + len(README_BEGIN):stop].strip().splitlines()
+         if 0 <= start < stop else [])
+  new = table.strip().splitlines()
+  title = lambda row: row.split(' | ')[0].removeprefix('| ')  # noqa: E731
+  ours = set(written_before) | {title(row) for row in new[2:]}
+  if len(old) > 2 and old[:2] == new[:2]:
+    kept = [row for row in old[2:] if title(row) not in ours]
+    table = '\n'.join(new[:2] + kept + new[2:]) + '\n'
   write_block(path, table, README_BEGIN, README_END)
+  return sorted(ours)
 
 
 def update_benchmarks(path: str, state: dict[str, Any], table: str) -> None:

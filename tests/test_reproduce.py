@@ -329,6 +329,27 @@ def test_readme_block_is_replaced_and_a_missing_block_is_named(tmp_path):
     reproduce.update_readme(str(tmp_path / 'plain.md'), '| new |\n')
 
 
+def test_readme_block_keeps_the_rows_other_workdirs_wrote(tmp_path):
+  """A suite workdir writes its rows without erasing another's; its own
+  rows are replaced (and dropped when no longer finished); a new header
+  replaces the block whole."""
+  header = '| experiment | test |\n|---|---|\n'
+  readme = tmp_path / 'README.md'
+  readme.write_text(f'{reproduce.README_BEGIN}\n{header}| gpu row | 1 |\n'
+                    f'| B | 2 |\n{reproduce.README_END}\n')
+  block = lambda rows: (f'{reproduce.README_BEGIN}\n{header}{rows}'  # noqa: E731
+                        f'{reproduce.README_END}\n')
+  ours = reproduce.update_readme(str(readme), f'{header}| B | 3 |\n| C | 4 |\n')
+  assert ours == ['B', 'C']
+  assert readme.read_text() == block('| gpu row | 1 |\n| B | 3 |\n| C | 4 |\n')
+  ours = reproduce.update_readme(str(readme), f'{header}| C | 5 |\n', ours)
+  assert readme.read_text() == block('| gpu row | 1 |\n| C | 5 |\n')
+  other = '| experiment | test | device |\n|---|---|---|\n| D | 5 | cpu |\n'
+  reproduce.update_readme(str(readme), other, ours)
+  assert readme.read_text() == (f'{reproduce.README_BEGIN}\n{other}'
+                                f'{reproduce.README_END}\n')
+
+
 def test_readme_gets_every_finished_row_and_a_finished_run_keeps_its_command(
     tmp_path, fake_suite):
   fake_suite += [_fake('a', 2), _fake('b', 2), _fake('c', 2)]
