@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from capsjax import em_kernel
+from capsjax import pallas_routing
 from capsjax import routing
 from capsjax import votes as votes_lib
 
@@ -660,8 +661,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
   lambdas = routing._inverse_temperatures(em_routing.inverse_temperature,
                                           em_routing.num_iterations, dtype)
-  if interpret is None:
-    interpret = jax.default_backend() != 'gpu'
+  interpret = pallas_routing.interpret_mode(interpret)
   static = _Static(dataclasses.replace(em_routing, inverse_temperature=None),
                    bool(interpret), child_chunk, backward, backward_chunk)
   return _route(poses.astype(dtype), activations.astype(dtype),

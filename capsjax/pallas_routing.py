@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -413,6 +414,23 @@ def _route_backward(cfg: _Config, residuals, cotangents):
 _route.defvjp(_route_forward, _route_backward, symbolic_zeros=True)
 
 
+def interpret_mode(interpret: bool | None) -> bool:
+  """Whether the Pallas kernels run in Pallas' interpreter: as asked, else
+  everywhere but on a GPU, where they compile. Without a GPU that is
+  hundreds of times slower than XLA (30 s a CapsNet smoke step on a CPU),
+  so an implicit choice says so once."""
+  if interpret is not None:
+    return bool(interpret)
+  if jax.default_backend() == 'gpu':
+    return False
+  warnings.warn(
+      "routing impl='pallas' without a GPU runs the Pallas kernels "
+      "in Pallas' interpreter, hundreds of times slower than XLA (it is for "
+      "tests): on a CPU use the default implementation (impl=None, "
+      "routing_impl=None).", stacklevel=3)
+  return True
+
+
 def dynamic_routing(
     votes: ArrayLike,
     num_iterations: int = 3,
@@ -452,8 +470,7 @@ def dynamic_routing(
   if block_inputs < 1 or block_inputs != _next_power_of_2(block_inputs):
     raise ValueError(
         f'block_inputs must be a power of two, got {block_inputs!r}.')
-  if interpret is None:
-    interpret = jax.default_backend() != 'gpu'
+  interpret = interpret_mode(interpret)
   batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]
   if math.prod(batch_shape) == 0:  # no example: a grid of no programs
     return routing.dynamic_routing(

@@ -22,6 +22,10 @@ from capsjax import routing
 from capsjax import votes as votes_lib
 from tests.test_routing import np_em_routing
 
+# Interpreted on purpose here: the warning that says so is tested once.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:routing impl='pallas' without a GPU")
+
 # Window-local options: the paper's schedule, cost normalisation with a
 # constant lambda, the authors' form with centre momentum, one iteration.
 OPTIONS = {

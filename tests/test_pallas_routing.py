@@ -25,6 +25,10 @@ from capsjax import layers
 from capsjax import pallas_routing
 from capsjax import routing
 
+# Interpreted on purpose here: the warning that says so is tested once.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:routing impl='pallas' without a GPU")
+
 BLOCK = 4
 SHAPE = (2, 7, 3, 5)  # [B, I, O, D]
 
@@ -404,3 +408,10 @@ def test_the_paper_configs_select_the_kernels_by_flag():
       config.model_options.routing_impl = 'pallas'
       with pytest.raises(TypeError):
         config.model_options.routing_impl = 3
+
+
+def test_the_interpreter_is_said_when_no_gpu_chose_it():
+  votes = jnp.ones((1, 3, 2, 4))
+  with pytest.warns(UserWarning, match=r"without a GPU runs the Pallas kernels "
+                    r"in Pallas' interpreter"):
+    pallas_routing.dynamic_routing(votes, 2)
