@@ -20,6 +20,31 @@ from tests import conftest
 # Convolutions (capsjax.conv) against direct and float64 references.
 
 
+def em_window_inputs(seed, num=3, num_in=7, num_out=4, dtype=np.float64,
+                     beta_a_scale=0.3):
+  """Random inputs of N windows' EM routing kernels: (poses [N, I, 4, 4],
+  activations [N, I], transforms [I, O, 4, 4], beta_u [O], beta_a [O])."""
+  rng = np.random.default_rng(seed)
+  poses = rng.normal(size=(num, num_in, 4, 4))
+  acts = rng.uniform(0.05, 1.0, size=(num, num_in))
+  weights = rng.normal(size=(num_in, num_out, 4, 4)) * 0.5
+  beta_u = rng.normal(size=num_out) * 0.3
+  beta_a = rng.normal(size=num_out) * beta_a_scale
+  return tuple(np.asarray(x, dtype) for x in (poses, acts, weights, beta_u,
+                                              beta_a))
+
+
+def np_window_votes(poses, weights):
+  """V_io = M_i W_io: [N, I, O, 16]."""
+  v = np.einsum('nipq,ioqr->niopr', poses, weights)
+  return v.reshape(v.shape[:3] + (16,))
+
+
+def em_beta_a_scale(name):
+  """The authors' logit has -5000 beta_a: small betas keep it informative."""
+  return 1e-3 if name == 'authors' else 0.3
+
+
 def direct_conv(x, kernel, stride, padding='VALID'):
   return jax.lax.conv_general_dilated(
       x, kernel, (stride, stride), padding,

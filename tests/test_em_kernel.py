@@ -18,6 +18,9 @@ from capsjax import em_kernel
 from capsjax import layers
 from capsjax import routing
 from capsjax import votes as votes_lib
+from tests.helpers import em_beta_a_scale
+from tests.helpers import em_window_inputs
+from tests.helpers import np_window_votes
 from tests.test_routing import np_em_routing
 
 pytestmark = pytest.mark.skipif(not em_kernel.available(),
@@ -39,41 +42,24 @@ OPTIONS = {
 }
 
 
-def _inputs(seed, num=3, num_in=7, num_out=4, dtype=np.float64,
-            beta_a_scale=0.3):
-  rng = np.random.default_rng(seed)
-  poses = rng.normal(size=(num, num_in, 4, 4))
-  acts = rng.uniform(0.05, 1.0, size=(num, num_in))
-  weights = rng.normal(size=(num_in, num_out, 4, 4)) * 0.5
-  beta_u = rng.normal(size=num_out) * 0.3
-  beta_a = rng.normal(size=num_out) * beta_a_scale
-  return tuple(np.asarray(x, dtype) for x in (poses, acts, weights, beta_u,
-                                              beta_a))
 
 
-def _np_votes(poses, weights):
-  """V_io = M_i W_io: [N, I, O, 16]."""
-  v = np.einsum('nipq,ioqr->niopr', poses, weights)
-  return v.reshape(v.shape[:3] + (16,))
 
 
-def _beta_a_scale(name):
-  """The authors' logit has -5000 beta_a: small betas keep it informative."""
-  return 1e-3 if name == 'authors' else 0.3
 
 
 @pytest.mark.parametrize('name', sorted(OPTIONS))
 def test_kernel_matches_float64_reference(name):
   options = dict(OPTIONS[name])
   iterations = options.pop('num_iterations')
-  poses, acts, weights, beta_u, beta_a = _inputs(
-      1, beta_a_scale=_beta_a_scale(name))
+  poses, acts, weights, beta_u, beta_a = em_window_inputs(
+      1, beta_a_scale=em_beta_a_scale(name))
   with jax.enable_x64(True):
     out = em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
                                   iterations, **options)
   assert [x.dtype for x in out] == [jnp.float64] * 3
-  expected = np_em_routing(_np_votes(poses, weights), acts, beta_u, beta_a,
-                           iterations, **options)
+  expected = np_em_routing(np_window_votes(poses, weights), acts, beta_u,
+                           beta_a, iterations, **options)
   for got, want in zip(out, expected, strict=True):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
 
@@ -94,7 +80,7 @@ def test_kernel_gradients_equal_autodiff_of_em_routing(name):
   lambdas = np.asarray(routing._inverse_temperatures(
       options.pop('inverse_temperature', None), iterations, jnp.float32),
       np.float64)
-  inputs = _inputs(2, beta_a_scale=_beta_a_scale(name)) + (lambdas,)
+  inputs = em_window_inputs(2, beta_a_scale=em_beta_a_scale(name)) + (lambdas,)
   rng = np.random.default_rng(3)
   num, num_in, num_out = 3, 7, 4
   cotangents = (rng.normal(size=(num, num_out, 16)),
@@ -123,8 +109,8 @@ def test_kernel_gradients_equal_autodiff_of_em_routing(name):
 
 
 def test_kernel_gradients_match_finite_differences():
-  poses, acts, weights, beta_u, beta_a = _inputs(4, num=2, num_in=5,
-                                                 num_out=3)
+  poses, acts, weights, beta_u, beta_a = em_window_inputs(
+      4, num=2, num_in=5, num_out=3)
   with jax.enable_x64(True):
     check_grads(lambda *x: em_kernel.route_windows(
         *x, 3, normalize_cost=True, inverse_temperature=0.7),
@@ -133,7 +119,7 @@ def test_kernel_gradients_match_finite_differences():
 
 
 def test_float32_kernel_is_float64_to_float32_precision():
-  inputs = _inputs(5, num=4, num_in=72, num_out=16)
+  inputs = em_window_inputs(5, num=4, num_in=72, num_out=16)
   cotangent = np.random.default_rng(6).normal(size=(4, 16, 16))
 
   def loss(*x):
@@ -215,8 +201,8 @@ def test_bfloat16_conv_capsules_route_in_float32_by_the_kernel():
 
 
 def _degenerate_windows(name):
-  poses, acts, weights, beta_u, beta_a = _inputs(9, num=2, num_in=6,
-                                                 num_out=3, dtype=np.float32)
+  poses, acts, weights, beta_u, beta_a = em_window_inputs(
+      9, num=2, num_in=6, num_out=3, dtype=np.float32)
   if name == 'zero_activations':
     acts = np.zeros_like(acts)
   elif name == 'identical_votes':
@@ -252,7 +238,7 @@ def test_values_and_gradients_finite_on_degenerate_windows(name):
 
 
 def test_vmap_equals_a_loop():
-  poses, acts, weights, beta_u, beta_a = _inputs(10, dtype=np.float32)
+  poses, acts, weights, beta_u, beta_a = em_window_inputs(10, dtype=np.float32)
   stacked = np.stack([poses, poses[::-1]])
   batched = jax.vmap(lambda p: em_kernel.route_windows(
       p, acts, weights, beta_u, beta_a, 2))(stacked)
@@ -264,7 +250,7 @@ def test_vmap_equals_a_loop():
 
 
 def test_bad_arguments_raise_value_error():
-  poses, acts, weights, beta_u, beta_a = _inputs(11, dtype=np.float32)
+  poses, acts, weights, beta_u, beta_a = em_window_inputs(11, dtype=np.float32)
   with pytest.raises(ValueError, match=r'poses \[N, I, 4, 4\]'):
     em_kernel.route_windows(poses[:, :-1], acts, weights, beta_u, beta_a)
   with pytest.raises(ValueError, match='activation_form'):
@@ -307,8 +293,8 @@ def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
   from capsjax import flops
   num, num_in, num_out = 6, 18, 4
   shape = (num, num_in, num_out, 16)
-  poses, acts, weights, beta_u, beta_a = _inputs(13, num, num_in, num_out,
-                                                 dtype=np.float32)
+  poses, acts, weights, beta_u, beta_a = em_window_inputs(
+      13, num, num_in, num_out, dtype=np.float32)
   kernel = flops.em_conv_kernel_cost(shape, 3)
   routing_only = flops.em_routing_cost(shape, 3)
   votes_dot = jax.jit(votes_lib.matrix_votes).lower(

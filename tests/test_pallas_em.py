@@ -3,6 +3,7 @@ float64 NumPy reference, autodiff of routing.em_routing, the fused CPU
 kernel and the XLA conv capsule routing; degenerate windows; and its
 lowering to a Triton call for CUDA."""
 
+import functools
 import json
 import re
 
@@ -20,11 +21,16 @@ from capsjax import layers
 from capsjax import pallas_em
 from capsjax import routing
 from capsjax import votes as votes_lib
+from tests.helpers import em_beta_a_scale
+from tests.helpers import em_window_inputs
+from tests.helpers import np_window_votes
 from tests.test_routing import np_em_routing
 
 # Interpreted on purpose here: the warning that says so is tested once.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:routing impl='pallas' without a GPU")
+
+_inputs = functools.partial(em_window_inputs, num_out=3)
 
 # Window-local options: the paper's schedule, cost normalisation with a
 # constant lambda, the authors' form with centre momentum, one iteration.
@@ -39,21 +45,8 @@ OPTIONS = {
 }
 
 
-def _inputs(seed, num=3, num_in=7, num_out=3, dtype=np.float64,
-            beta_a_scale=0.3):
-  rng = np.random.default_rng(seed)
-  poses = rng.normal(size=(num, num_in, 4, 4))
-  acts = rng.uniform(0.05, 1.0, size=(num, num_in))
-  weights = rng.normal(size=(num_in, num_out, 4, 4)) * 0.5
-  beta_u = rng.normal(size=num_out) * 0.3
-  beta_a = rng.normal(size=num_out) * beta_a_scale
-  return tuple(np.asarray(x, dtype) for x in (poses, acts, weights, beta_u,
-                                              beta_a))
 
 
-def _beta_a_scale(name):
-  """The authors' logit has -5000 beta_a: small betas keep it informative."""
-  return 1e-3 if name == 'authors' else 0.3
 
 
 @pytest.mark.parametrize('name', sorted(OPTIONS))
@@ -61,15 +54,14 @@ def test_matches_float64_reference(name):
   options = dict(OPTIONS[name])
   iterations = options.pop('num_iterations')
   poses, acts, weights, beta_u, beta_a = _inputs(
-      1, beta_a_scale=_beta_a_scale(name))
+      1, beta_a_scale=em_beta_a_scale(name))
   # 7 children in chunks of 4: two chunks, the last padded.
   with jax.enable_x64(True):
     out = pallas_em.route_windows(poses, acts, weights, beta_u, beta_a,
                                   iterations, child_chunk=4, **options)
   assert [x.dtype for x in out] == [jnp.float64] * 3
-  votes = np.einsum('nipq,ioqr->niopr', poses, weights).reshape(3, 7, 3, 16)
-  expected = np_em_routing(votes, acts, beta_u, beta_a, iterations,
-                           **options)
+  expected = np_em_routing(np_window_votes(poses, weights), acts, beta_u,
+                           beta_a, iterations, **options)
   for got, want in zip(out, expected, strict=True):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
 
@@ -86,7 +78,7 @@ def test_gradients_equal_autodiff_of_em_routing(name, backward):
   lambdas = np.asarray(routing._inverse_temperatures(
       options.pop('inverse_temperature', None), iterations, jnp.float32),
       np.float64)
-  inputs = _inputs(2, beta_a_scale=_beta_a_scale(name)) + (lambdas,)
+  inputs = _inputs(2, beta_a_scale=em_beta_a_scale(name)) + (lambdas,)
   rng = np.random.default_rng(3)
   cotangents = (rng.normal(size=(3, 3, 16)), rng.normal(size=(3, 3)),
                 rng.normal(size=(3, 7, 3)))
