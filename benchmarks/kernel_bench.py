@@ -17,7 +17,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import tempfile
@@ -31,6 +30,7 @@ import jax
 import jaxlib
 
 from benchmarks import timing
+from capsjax.training import metrics
 
 # (row fields, function, its argument shapes, Triton kernel name to build)
 Build = tuple[dict[str, Any], Callable[..., Any],
@@ -91,12 +91,11 @@ def median_seconds(calls: dict[str, Callable[[], Any]],
 
 
 def environment() -> dict[str, Any]:
-  """Where a row was measured."""
-  return {
-      'jax_version': jax.__version__, 'jaxlib_version': jaxlib.__version__,
-      'backend': jax.default_backend(),
+  """Where a row was measured: the training summaries' environment (versions,
+  git commit), the backend, and the device by its kind."""
+  return metrics.environment() | {
+      'jaxlib_version': jaxlib.__version__, 'backend': jax.default_backend(),
       'device': jax.devices()[0].device_kind,
-      'python': platform.python_version(), 'machine': platform.machine(),
       'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
   }
 
