@@ -66,7 +66,7 @@ from capsjax import pallas_routing
 from capsjax import routing
 from capsjax import votes as votes_lib
 
-POSE_SIDE = 4
+POSE_SIDE = em_kernel.POSE_SIDE
 _DIM = POSE_SIDE * POSE_SIDE
 # Children per chunk inside a program: one chunk's votes, [CHILD_CHUNK, O,
 # 16], are the largest value a program holds, in registers. At the paper's
@@ -663,7 +663,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
                                           em_routing.num_iterations, dtype)
   interpret = pallas_routing.interpret_mode(interpret)
   static = _Static(dataclasses.replace(em_routing, inverse_temperature=None),
-                   bool(interpret), child_chunk, backward, backward_chunk)
+                   interpret, child_chunk, backward, backward_chunk)
   return _route(poses.astype(dtype), activations.astype(dtype),
                 weights.astype(dtype), cast(beta_u), cast(beta_a), lambdas,
                 static)

@@ -479,7 +479,7 @@ def dynamic_routing(
         normalize_agreement=normalize_agreement)
   cfg = _Config(num_in, num_out, dim, num_iterations, bool(accumulate),
                 bool(leaky), float(squash_constant), bool(normalize_agreement),
-                int(block_inputs), bool(interpret))
+                int(block_inputs), interpret)
   flat_votes = votes.reshape((-1, num_in, num_out, dim))
   flat_bias = None
   if bias is not None:
