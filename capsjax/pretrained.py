@@ -6,9 +6,10 @@
   python -m capsjax.pretrained capsnet_mnist_smoke digits/ photo.jpg
 
 Each model is two files in ``capsjax/pretrained_models/``: ``NAME.npz``, its
-trained parameters (float32, by their paths in the model), and ``NAME.json``:
-the training run's config, command, commit, date, validation and test
-accuracy, and the SHA-256 of the ``.npz``. ``load`` checks that digest
+trained parameters by their paths in the model (float32, or float16 where
+float32 would pass 5 MB), and ``NAME.json``: the training run's config,
+command, commit, date, validation and test accuracy, and the SHA-256 of the
+``.npz``. ``load`` checks that digest
 against the one in ``MODELS`` below before reading a byte of parameters,
 then builds the model from the stored config with the function training
 uses (``training.state.create_model``) and fills its parameters.
@@ -153,10 +154,11 @@ def _filled(tree, arrays: dict[str, np.ndarray], where: str):
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def save_params(params, path: str | os.PathLike) -> str:
+def save_params(params, path: str | os.PathLike, dtype='float32') -> str:
   """Writes ``params`` (an ``nnx.State``) as a compressed ``.npz`` of
-  float32 arrays by path; returns its SHA-256."""
-  arrays = {name: np.asarray(leaf, np.float32)
+  ``dtype`` arrays by path ('float16' halves a file; ``load`` casts back to
+  the model's dtype); returns its SHA-256."""
+  arrays = {name: np.asarray(leaf, np.dtype(dtype))
             for name, leaf in _flat(params).items()}
   with open(path, 'wb') as f:
     np.savez_compressed(f, **arrays)

@@ -45,8 +45,12 @@ def test_every_entry_has_small_files_matching_its_digest():
     assert npz_path.is_file() and json_path.is_file(), name
     assert npz_path.stat().st_size < MAX_BYTES, name
     assert pretrained.file_sha256(npz_path) == entry.sha256, name
-    # The JSON beside it records the same digest.
-    assert pretrained._read_info(name)['sha256'] == entry.sha256, name
+    # The JSON beside it records the same digest, and the stored dtype.
+    info = pretrained._read_info(name)
+    assert info['sha256'] == entry.sha256, name
+    with np.load(npz_path) as stored:
+      assert {str(stored[key].dtype) for key in stored.files} == {
+          info['dtype']}, name
 
 
 def test_pip_install_ships_the_files():

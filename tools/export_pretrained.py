@@ -56,7 +56,7 @@ def _info(workdir: str, context, args) -> dict:
       'test_accuracy': summary['test']['accuracy'],
       'train_seconds': round(summary['train_wall_s_this_run'], 1),
       'num_params': summary['num_params'],
-      'dtype': 'float32',
+      'dtype': args.dtype,
       'config': config.to_dict(),
   }
 
@@ -68,6 +68,10 @@ def main() -> None:
   parser.add_argument('--command', required=True)
   parser.add_argument('--commit', required=True)
   parser.add_argument('--device', default='2-core CPU')
+  parser.add_argument('--dtype', default='float32',
+                      choices=('float32', 'float16'),
+                      help="the stored parameters' dtype: float16 for a "
+                      'model whose float32 file would pass 5 MB')
   args = parser.parse_args()
   from capsjax import training
   context = training.load_context(args.workdir)
@@ -76,7 +80,7 @@ def main() -> None:
   info = _info(args.workdir, context, args)
   from flax import nnx
   info['sha256'] = pretrained.save_params(
-      nnx.state(context.model, nnx.Param), npz_path)
+      nnx.state(context.model, nnx.Param), npz_path, args.dtype)
   # The config's data folder is this machine's, not the user's.
   info['config']['data_dir'] = ''
   with open(pretrained.MODELS_DIR / f'{args.name}.json', 'w') as f:
