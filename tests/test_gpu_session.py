@@ -14,11 +14,25 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(shutil.which('bash') is None, reason='needs bash')
-def test_gpu_session_script_parses():
-  script = os.path.join(_ROOT, 'benchmarks', 'gpu_session.sh')
-  result = subprocess.run(['bash', '-n', script], capture_output=True,
-                          text=True, check=False)
+@pytest.mark.parametrize('script', ['benchmarks/gpu_session.sh',
+                                    'tools/gpu_train.sh'])
+def test_gpu_scripts_parse(script):
+  result = subprocess.run(['bash', '-n', os.path.join(_ROOT, script)],
+                          capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which('bash') is None, reason='needs bash')
+def test_gpu_train_refuses_before_starting_anything(tmp_path):
+  script = os.path.join(_ROOT, 'tools', 'gpu_train.sh')
+  env = dict(os.environ, CPU_DRY_RUN='1', OUT=str(tmp_path / 'out'))
+  for args, message in (([], 'usage: gpu_train.sh MAX_SECONDS NAME'),
+                        (['60'], '1 to 6 run names'),
+                        (['60', 'capsnet_mnist_annealed'], 'no .data/mnist')):
+    result = subprocess.run(['bash', script, *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode != 0 and message in result.stderr, result
+  assert not (tmp_path / 'out').exists()
 
 
 def test_profile_step_table_on_cpu():
