@@ -262,7 +262,7 @@ def test_paper_conv_capsule_layers_lower_to_triton_for_cuda(name, windows,
 def test_paper_conv_capsule_kernel_compiles_to_sm80_without_spills(tmp_path):
   # Where the Triton compiler is installed (PyTorch brings it), its build of
   # the ConvCaps1 forward kernel for an A100 (sm_80), without a GPU: ptxas
-  # says how many registers it takes and that it spills none
+  # says how many registers it takes and what it spills
   # (``--ptxas=backward`` builds the backward kernel, about a minute here).
   # Register use depends on the Triton version: 142 registers and no
   # spills with Triton 3.8, all 255 and 372 spilled bytes with 3.6 (the
