@@ -80,7 +80,7 @@ def main() -> None:
   info = _info(args.workdir, context, args)
   from flax import nnx
   info['sha256'] = pretrained.save_params(
-      nnx.state(context.model, nnx.Param), npz_path, args.dtype)
+      nnx.state(context.model, pretrained.SHIPPED), npz_path, args.dtype)
   # The config's data folder is this machine's, not the user's.
   info['config']['data_dir'] = ''
   with open(pretrained.MODELS_DIR / f'{args.name}.json', 'w') as f:
