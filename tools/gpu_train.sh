@@ -25,6 +25,7 @@ MAX=${1:?usage: gpu_train.sh MAX_SECONDS NAME...}; shift
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
 T0=$(date +%s)
+[ -d .data/mnist ] || { echo 'gpu_train.sh: no .data/mnist (copy the MNIST IDX files there)' >&2; exit 2; }
 if [ "${CPU_DRY_RUN:-0}" = 1 ]; then
   OUT=${OUT:-/tmp/gpu_train_dry}; RUNS=$(mktemp -d /tmp/gpuruns.XXXXXX)
   export JAX_PLATFORMS=cpu PYTHONPATH=$PWD
@@ -34,7 +35,6 @@ else
     --upgrade --target /tmp/site .whl/*.whl || exit 9
   export PYTHONPATH=/tmp/site:$PWD
 fi
-[ -d .data/mnist ] || { echo 'gpu_train.sh: no .data/mnist (copy the MNIST IDX files there)' >&2; exit 2; }
 mkdir -p "$OUT" "$RUNS"
 { date -u +%FT%TZ; echo "commit $(git rev-parse HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed paths"
   timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -53,7 +53,9 @@ for name in "$@"; do
 done
 timeout $(( MAX + 60 )) nvidia-smi --query-gpu=utilization.gpu,memory.used \
   --format=csv -l 30 > "$RUNS/nvidia_smi.log" 2>&1 &
+SMI=$!
 wait "${pids[@]}"
+kill "$SMI" 2>/dev/null
 { echo "gpu_train.sh $MAX $* at $(date -u +%FT%TZ), $(( $(date +%s) - T0 )) s"
   for name in "$@"; do
     cat "$RUNS/$name/call_end.txt"
