@@ -9,10 +9,10 @@ Each model is two files in ``capsjax/pretrained_models/``: ``NAME.npz``, its
 trained parameters and batch statistics by their paths in the model
 (float32, or float16 where float32 would pass 5 MB), and ``NAME.json``: the
 training run's config, command, commit, date, validation and test accuracy,
-and the SHA-256 of the ``.npz``. ``load`` checks that digest against the one in ``MODELS`` below
-before reading a byte of parameters, then builds the model from the stored
-config with the function training uses (``training.state.create_model``)
-and fills its parameters.
+and the SHA-256 of the ``.npz``. ``load`` checks that digest against the
+one in ``MODELS`` below before reading a byte of parameters, then builds the
+model from the stored config with the function training uses
+(``training.state.create_model``) and fills its parameters.
 
 The command line classifies image files (PNG, JPEG and the rest Pillow
 reads; any size, grey or colour) as the model's training images looked:
