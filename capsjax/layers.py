@@ -206,7 +206,34 @@ class PrimaryCapsules(nnx.Module):
     return routing.squash(y, constant=self.squash_constant)
 
 
-class DenseCapsules(nnx.Module):
+class _DynamicRoutingLayer(nnx.Module):
+  """What ``DenseCapsules`` and ``SharedCapsules`` share: their routing
+  options, the optional bias and the call into ``routing.dynamic_routing``."""
+
+  def _set_routing(self, num_iterations: int, accumulate: bool, leaky: bool,
+                   squash_constant: float, normalize_agreement: bool,
+                   routing_impl: str | None, bias_shape: tuple[int, int],
+                   use_bias: bool, bias_init: float) -> None:
+    _check_iterations(num_iterations)
+    routing.check_dynamic_impl('routing_impl', routing_impl)
+    self.routing_impl = routing_impl
+    self.num_iterations = num_iterations
+    self.accumulate, self.leaky = accumulate, leaky
+    self.squash_constant = squash_constant
+    self.normalize_agreement = normalize_agreement
+    self.bias = (nnx.Param(jnp.full(bias_shape, bias_init, jnp.float32))
+                 if use_bias else None)
+
+  def _route(self, u_hat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """u_hat: [B, I, O, Dout] -> (outputs [B, O, Dout], coupling [B, I, O])."""
+    return routing.dynamic_routing(
+        u_hat, self.num_iterations, accumulate=self.accumulate,
+        leaky=self.leaky, squash_constant=self.squash_constant,
+        bias=None if self.bias is None else self.bias[...],
+        normalize_agreement=self.normalize_agreement, impl=self.routing_impl)
+
+
+class DenseCapsules(_DynamicRoutingLayer):
   """Fully connected capsule layer with dynamic routing (DigitCaps).
 
   One transform W_ij [Din, Dout] per (input, output) pair and an optional
@@ -231,28 +258,17 @@ class DenseCapsules(nnx.Module):
     for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
                         ('out_caps', out_caps), ('out_dim', out_dim)):
       _check_positive_int(name, value)
-    _check_iterations(num_iterations)
-    routing.check_dynamic_impl('routing_impl', routing_impl)
-    self.routing_impl = routing_impl
-    self.num_iterations = num_iterations
-    self.accumulate, self.leaky = accumulate, leaky
-    self.squash_constant = squash_constant
-    self.normalize_agreement = normalize_agreement
+    self._set_routing(num_iterations, accumulate, leaky, squash_constant,
+                      normalize_agreement, routing_impl, (out_caps, out_dim),
+                      use_bias, bias_init)
     self.weights = nnx.Param(nn.truncated_normal_init(transform_std)(
         rngs.params(), (in_caps, out_caps, in_dim, out_dim)))
-    self.bias = (nnx.Param(jnp.full((out_caps, out_dim), bias_init, jnp.float32))
-                 if use_bias else None)
 
   def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
-    u_hat = votes_lib.vector_votes(inputs, self.weights[...])
-    return routing.dynamic_routing(
-        u_hat, self.num_iterations, accumulate=self.accumulate,
-        leaky=self.leaky, squash_constant=self.squash_constant,
-        bias=None if self.bias is None else self.bias[...],
-        normalize_agreement=self.normalize_agreement, impl=self.routing_impl)
+    return self._route(votes_lib.vector_votes(inputs, self.weights[...]))
 
 
-class SharedCapsules(nnx.Module):
+class SharedCapsules(_DynamicRoutingLayer):
   """Capsule layer whose transform W_j is shared by every input (Su's post).
 
   Parameters do not depend on the number of input capsules, so the layer
@@ -273,28 +289,17 @@ class SharedCapsules(nnx.Module):
     for name, value in (('in_dim', in_dim), ('out_caps', out_caps),
                         ('out_dim', out_dim)):
       _check_positive_int(name, value)
-    _check_iterations(num_iterations)
-    routing.check_dynamic_impl('routing_impl', routing_impl)
-    self.routing_impl = routing_impl
-    self.num_iterations = num_iterations
-    self.accumulate, self.leaky = accumulate, leaky
-    self.squash_constant = squash_constant
-    self.normalize_agreement = normalize_agreement
+    self._set_routing(num_iterations, accumulate, leaky, squash_constant,
+                      normalize_agreement, routing_impl, (out_caps, out_dim),
+                      use_bias, bias_init)
     limit = math.sqrt(6.0 / (in_dim + out_caps * out_dim))
     self.weights = nnx.Param(jax.random.uniform(
         rngs.params(), (out_caps * in_dim * out_dim,), jnp.float32, -limit,
         limit).reshape(out_caps, in_dim, out_dim))
-    self.bias = (nnx.Param(jnp.full((out_caps, out_dim), bias_init, jnp.float32))
-                 if use_bias else None)
 
   def __call__(self, inputs: ArrayLike) -> tuple[jax.Array, jax.Array]:
-    u_hat = votes_lib.shared_vector_votes(inputs, self.weights[...],
-                                          dot_general=conv_dot_general)
-    return routing.dynamic_routing(
-        u_hat, self.num_iterations, accumulate=self.accumulate,
-        leaky=self.leaky, squash_constant=self.squash_constant,
-        bias=None if self.bias is None else self.bias[...],
-        normalize_agreement=self.normalize_agreement, impl=self.routing_impl)
+    return self._route(votes_lib.shared_vector_votes(
+        inputs, self.weights[...], dot_general=conv_dot_general))
 
 
 # ----------------------------------------------------------------------------

@@ -35,13 +35,7 @@ _NUM_IMAGES = flags.DEFINE_integer(
 _PERTURBATION_INDEX = flags.DEFINE_integer(
     'perturbation_index', 0, 'Index of the test image whose capsule '
     'perturbation.png perturbs.', lower_bound=0)
-_DATA_DIR = flags.DEFINE_string(
-    'data_dir', None, "Dataset directory (default: the run's config.data_dir, "
-    'then the usual search).')
-_WHICH = flags.DEFINE_enum(
-    'which', 'selected', ['selected', 'best', 'latest'],
-    "Checkpoint: 'selected' (the tested one), 'best' (of validation "
-    "accuracy) or 'latest'.")
+_DATA_DIR, _WHICH = launcher.define_trained_run_flags(__name__)
 
 
 def make_figures() -> None:

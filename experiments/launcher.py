@@ -276,6 +276,24 @@ def config_description(config, config_file: str) -> str:
   return '\n'.join(lines)
 
 
+def define_trained_run_flags(module_name: str
+                             ) -> tuple[flags.FlagHolder, flags.FlagHolder]:
+  """``--data_dir`` and ``--which``: the flags of a command that reads a
+  trained workdir (its figures), as (data_dir, which). ``module_name``: the
+  command's ``__name__``, so that its ``--help`` lists them (absl names a
+  ``python -m`` module by its path)."""
+  if module_name == '__main__':
+    module_name = sys.argv[0]
+  data_dir = flags.DEFINE_string(
+      'data_dir', None, "Dataset directory (default: the run's "
+      'config.data_dir, then the usual search).', module_name=module_name)
+  which = flags.DEFINE_enum(
+      'which', 'selected', ['selected', 'best', 'latest'],
+      "Checkpoint: 'selected' (the tested one), 'best' (of validation "
+      "accuracy) or 'latest'.", module_name=module_name)
+  return data_dir, which
+
+
 def hold_for_output(workdir: str, output_dir: str | None, purpose: str
                     ) -> contextlib.AbstractContextManager:
   """What a command that reads a trained ``workdir`` and writes into

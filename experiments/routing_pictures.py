@@ -29,13 +29,7 @@ _INDEX = flags.DEFINE_integer(
 _OUTPUT_DIR = flags.DEFINE_string(
     'output_dir', None, 'Where to write routing.png (default: '
     'WORKDIR/figures).')
-_DATA_DIR = flags.DEFINE_string(
-    'data_dir', None, "Dataset directory (default: the run's config.data_dir, "
-    'then the usual search).')
-_WHICH = flags.DEFINE_enum(
-    'which', 'selected', ['selected', 'best', 'latest'],
-    "Checkpoint: 'selected' (the tested one), 'best' (of validation "
-    "accuracy) or 'latest'.")
+_DATA_DIR, _WHICH = launcher.define_trained_run_flags(__name__)
 
 
 def draw_routing() -> None:
