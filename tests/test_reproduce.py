@@ -245,7 +245,7 @@ def test_paper_suite_order_and_data_flags():
                        'two_digit_transfer', 'multimnist']
   # Section 7's other datasets last, each only with its directory.
   assert names[-3:] == ['capsnet_smallnorb', 'capsnet_svhn', 'capsnet_cifar10']
-  assert len(names) == len(set(names)) == 22
+  assert len(names) == len(set(names)) == 30
   assert 'efficient_capsnet_mnist' in names
   commands = {e.name: _flags(reproduce.command(e, '/w', options))
               for e in experiments}
@@ -259,11 +259,19 @@ def test_paper_suite_order_and_data_flags():
                               ('capsnet_mnist_annealed_seed1', ':annealed',
                                '1'),
                               ('capsnet_mnist_annealed_seed2', ':annealed',
-                               '2')):
+                               '2'),
+                              ('capsnet_mnist_norecon_seed2', ':norecon', '2'),
+                              ('capsnet_mnist_iter1_seed1', ':iter1', '1'),
+                              ('capsnet_mnist_iter1_norecon_seed2',
+                               ':iter1,norecon', '2')):
     assert commands[name]['config'].endswith('capsnet_mnist.py' + variant)
     assert commands[name].get('config.seed') == seed
     assert commands[name]['config.data_dir'] == '/data'
-  assert not {'capsnet_mnist_text', 'capsnet_mnist_seed1'} & {
+  assert commands['efficient_capsnet_mnist_seed1']['config'].endswith(
+      'efficient_capsnet_mnist.py')
+  assert commands['efficient_capsnet_mnist_seed2']['config.seed'] == '2'
+  assert not {'capsnet_mnist_text', 'capsnet_mnist_seed1',
+              'efficient_capsnet_mnist_seed1'} & {
       e.name for e in reproduce.suite_experiments('smoke')}
   assert commands['affnist']['config.affnist_dir'] == '/affnist'
   assert commands['smallnorb']['config.data_dir'] == '/norb'
