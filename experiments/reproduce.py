@@ -305,16 +305,9 @@ def _experiments(suite: str) -> list[Experiment]:
                 'capsnet_multimnist.py', 'capsnet_multimnist.py:smoke',
                 module='experiments.multimnist',
                 result='multimnist_summary.json'),
-      _training('capsnet_mnist_norecon', 'CapsNet, 3 iterations, no '
-                'reconstruction, MNIST', '0.35%', 'capsnet_mnist.py:norecon',
-                'capsnet_mnist.py:smoke,norecon', _SHORT),
-      _training('capsnet_mnist_iter1', 'CapsNet, 1 iteration + '
-                'reconstruction, MNIST', '0.29%', 'capsnet_mnist.py:iter1',
-                'capsnet_mnist.py:smoke,iter1', _SHORT),
-      _training('capsnet_mnist_iter1_norecon', 'CapsNet, 1 iteration, no '
-                'reconstruction, MNIST', '0.34%',
-                'capsnet_mnist.py:iter1,norecon',
-                'capsnet_mnist.py:smoke,iter1,norecon', _SHORT),
+      _claim('capsnet_mnist_norecon'),
+      _claim('capsnet_mnist_iter1'),
+      _claim('capsnet_mnist_iter1_norecon'),
       _training('baseline_cnn_mnist', 'baseline CNN, MNIST', '0.39%',
                 'baseline_cnn_mnist.py', 'baseline_cnn_mnist.py:smoke',
                 _SHORT),
@@ -322,9 +315,7 @@ def _experiments(suite: str) -> list[Experiment]:
                 '- (not in the paper)', 'capsnet_fashion_mnist.py',
                 'capsnet_fashion_mnist.py:smoke', _SHORT),
       # Beyond the two papers: Mazzia et al.'s model and protocol.
-      _training('efficient_capsnet_mnist', 'Efficient-CapsNet (self-attention '
-                'routing), MNIST', '0.26%', 'efficient_capsnet_mnist.py',
-                'efficient_capsnet_mnist.py:smoke', _SHORT),
+      _claim('efficient_capsnet_mnist'),
   )]
   if not smoke:
     experiments += _form_ablation() + _more_seeds()
@@ -357,6 +348,40 @@ def _experiments(suite: str) -> list[Experiment]:
   return experiments + _other_datasets(smoke)
 
 
+def _smoke_spec(spec: str) -> str:
+  """The :smoke variant of a config spec: 'capsnet_mnist.py:iter1' ->
+  'capsnet_mnist.py:smoke,iter1'."""
+  return (spec.replace('.py:', '.py:smoke,') if ':' in spec
+          else spec + ':smoke')
+
+
+# The single-run claims that also have seeds 1 and 2 in the paper suite
+# (``_more_seeds``): the paper's ablations and Efficient-CapsNet. name ->
+# (row title, paper's number, config spec).
+_SEEDED_CLAIMS = {
+    'capsnet_mnist_norecon': ('CapsNet, 3 iterations, no reconstruction, '
+                              'MNIST', '0.35%', 'capsnet_mnist.py:norecon'),
+    'capsnet_mnist_iter1': ('CapsNet, 1 iteration + reconstruction, MNIST',
+                            '0.29%', 'capsnet_mnist.py:iter1'),
+    'capsnet_mnist_iter1_norecon': ('CapsNet, 1 iteration, no '
+                                    'reconstruction, MNIST', '0.34%',
+                                    'capsnet_mnist.py:iter1,norecon'),
+    'efficient_capsnet_mnist': ('Efficient-CapsNet (self-attention routing), '
+                                'MNIST', '0.26%', 'efficient_capsnet_mnist.py'),
+}
+
+
+def _claim(name: str, *paper_overrides: str, seed: int = 0
+           ) -> dict[str, Experiment]:
+  """``_training`` of one of ``_SEEDED_CLAIMS``; seed > 0 names the entry
+  NAME_seedN and its row 'TITLE, seed N'."""
+  title, paper, spec = _SEEDED_CLAIMS[name]
+  if seed:
+    name, title = f'{name}_seed{seed}', f'{title}, seed {seed}'
+  return _training(name, title, paper, spec, _smoke_spec(spec), _SHORT,
+                   paper_overrides=paper_overrides)
+
+
 def _form_ablation() -> list[Experiment]:
   """The paper suite's check on its first row: the paper text's form at the
   same protocol (do the official code's loss scale and primary-capsule
@@ -376,28 +401,17 @@ def _form_ablation() -> list[Experiment]:
              (f'--config.seed={seed}',)) for seed in range(3)))
   return [_training(name, f'{title}, {form}', '0.25%',
                     'capsnet_mnist.py' + variant,
-                    'capsnet_mnist.py:smoke' + variant.replace(':', ','),
+                    _smoke_spec('capsnet_mnist.py' + variant),
                     paper_overrides=seed)['paper']
           for name, form, variant, seed in runs]
 
 
 def _more_seeds() -> list[Experiment]:
-  """Seeds 1 and 2 of the paper's ablations (no reconstruction, 1
-  iteration) and of Efficient-CapsNet: each claim's three seeds, the first
-  being its entry above. Paper suite only, as ``_form_ablation``."""
-  runs = (('capsnet_mnist_norecon', 'CapsNet, 3 iterations, no '
-           'reconstruction, MNIST', '0.35%', 'capsnet_mnist.py:norecon'),
-          ('capsnet_mnist_iter1', 'CapsNet, 1 iteration + reconstruction, '
-           'MNIST', '0.29%', 'capsnet_mnist.py:iter1'),
-          ('capsnet_mnist_iter1_norecon', 'CapsNet, 1 iteration, no '
-           'reconstruction, MNIST', '0.34%', 'capsnet_mnist.py:iter1,norecon'),
-          ('efficient_capsnet_mnist', 'Efficient-CapsNet (self-attention '
-           'routing), MNIST', '0.26%', 'efficient_capsnet_mnist.py'))
-  return [_training(f'{name}_seed{seed}', f'{title}, seed {seed}', paper, spec,
-                    spec.replace('.py:', '.py:smoke,') if ':' in spec
-                    else spec + ':smoke',
-                    paper_overrides=(f'--config.seed={seed}',))['paper']
-          for name, title, paper, spec in runs for seed in (1, 2)]
+  """Seeds 1 and 2 of each of ``_SEEDED_CLAIMS``: each claim's three seeds,
+  the first being its entry in the suite. Paper suite only, as
+  ``_form_ablation``."""
+  return [_claim(name, f'--config.seed={seed}', seed=seed)['paper']
+          for name in _SEEDED_CLAIMS for seed in (1, 2)]
 
 
 def _ensemble_rows(workdir: str) -> list[dict[str, Any]]:
