@@ -39,7 +39,9 @@ the last call's training images/s, device and commit.
 finished rows (all of them, whatever ``--only`` selects; nothing while
 none has finished) between the README's ``<!-- reproduction:begin -->``
 and ``<!-- reproduction:end -->`` lines, keeping the rows other suite
-workdirs wrote there (a GPU's, another machine's); with --suite=bench,
+workdirs wrote there (a GPU's, another machine's), and a row of the mean
+and range over a claim's seeds once two or more have finished; with
+--suite=bench,
 ``--benchmarks=BENCHMARKS.md`` writes its table there under the device's
 name.
 
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -923,7 +926,9 @@ def update_readme(path: str, table: str, written_before: list[str] = ()
   ``written_before``: the rows' titles this workdir wrote earlier; those,
   and the titles in ``table``, are this workdir's: replaced by ``table``'s
   rows (gone when no longer finished). Other rows stay, first. A new header
-  replaces the block whole. Returns the titles this workdir has written.
+  replaces the block whole. A claim with several seeds' rows, whichever
+  workdirs wrote them, gets their mean (``seed_means``). Returns the titles
+  this workdir has written.
   """
   with open(path) as f:
     text = f.read()
@@ -931,13 +936,67 @@ def update_readme(path: str, table: str, written_before: list[str] = ()
   old = (text[start + len(README_BEGIN):stop].strip().splitlines()
          if 0 <= start < stop else [])
   new = table.strip().splitlines()
-  title = lambda row: row.split(' | ')[0].removeprefix('| ')  # noqa: E731
-  ours = set(written_before) | {title(row) for row in new[2:]}
+  ours = set(written_before) | {_title(row) for row in new[2:]}
   if len(old) > 2 and old[:2] == new[:2]:
-    kept = [row for row in old[2:] if title(row) not in ours]
-    table = '\n'.join(new[:2] + kept + new[2:]) + '\n'
-  write_block(path, table, README_BEGIN, README_END)
+    new[2:] = [row for row in old[2:] if _title(row) not in ours] + new[2:]
+  write_block(path, '\n'.join(new[:2] + seed_means(new[0] if new else '',
+                                                    new[2:])) + '\n',
+              README_BEGIN, README_END)
   return sorted(ours)
+
+
+_SEED_TITLE = re.compile(r', seed \d+$')
+_MEAN_TITLE = re.compile(r', mean of \d+ seeds$')
+
+
+def _title(row: str) -> str:
+  return row.split(' | ')[0].removeprefix('| ')
+
+
+def seed_means(header: str, rows: list[str]) -> list[str]:
+  """``rows`` of the paper table (``header``: its first line) with a row
+  after each claim's last seed: the mean and the range of the test and
+  validation errors of its seeds' rows (a claim's seeds: the rows titled
+  TITLE or TITLE, seed N; two or more of them). Such rows already in
+  ``rows`` are dropped first. Another table's rows come back unchanged."""
+  names = [cell.strip() for cell in header.strip().strip('|').split('|')]
+  if 'ours (test)' not in names:
+    return rows
+  rows = [row for row in rows if not _MEAN_TITLE.search(_title(row))]
+  cells = [[cell.strip() for cell in row.strip().strip('|').split('|')]
+           for row in rows]
+  groups: dict[str, list[int]] = {}
+  for index, row in enumerate(cells):
+    if len(row) == len(names):
+      groups.setdefault(_SEED_TITLE.sub('', row[0]), []).append(index)
+  after: dict[int, str] = {}
+  for claim, members in groups.items():
+    if len(members) < 2:
+      continue
+    mean = {}
+    for name in names:
+      values = {cells[i][names.index(name)] for i in members}
+      # What the seeds share (metric, paper, steps, epochs, status).
+      mean[name] = values.pop() if len(values) == 1 else '-'
+    for name in ('ours (test)', 'validation'):
+      try:
+        errors = [float(cells[i][names.index(name)].removesuffix('%'))
+                  for i in members]
+      except ValueError:  # '-': no number to average
+        mean[name] = '-'
+        continue
+      mean[name] = (f'{sum(errors) / len(errors):.2f}% '
+                    f'({min(errors):.2f}-{max(errors):.2f}%)')
+    mean['experiment'] = f'{claim}, mean of {len(members)} seeds'
+    for name in ('wall time', 'train img/s (last call)', 'commit'):
+      if name in mean:
+        mean[name] = '-'
+    if 'device' in mean:
+      mean['device'] = ', '.join(sorted(
+          {cells[i][names.index('device')] for i in members}))
+    after[members[-1]] = '| ' + ' | '.join(mean[name] for name in names) + ' |'
+  return [line for index, row in enumerate(rows)
+          for line in (row, after.get(index)) if line is not None]
 
 
 def update_benchmarks(path: str, state: dict[str, Any], table: str) -> None:

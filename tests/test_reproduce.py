@@ -358,6 +358,42 @@ def test_readme_block_keeps_the_rows_other_workdirs_wrote(tmp_path):
                                 f'{reproduce.README_END}\n')
 
 
+def test_readme_block_gets_the_mean_and_range_of_each_claims_seeds(tmp_path):
+  """Seeds written by different workdirs are averaged together; a claim
+  with one seed gets no mean; a rewrite replaces the mean rows."""
+  header = reproduce.markdown({'suite': 'paper', 'experiments': {}},
+                              []).rstrip('\n') + '\n'
+  row = lambda title, test, val, device: (  # noqa: E731
+      f'| {title} | test error | 0.25% | {test} | {val} | 21500 | 50.12 | '
+      f'1.00 h | 100.0 | {device} | abc1234 | finished |\n')
+  readme = tmp_path / 'README.md'
+  readme.write_text(f'{reproduce.README_BEGIN}\n{header}'
+                    f'{row("A, seed 1", "0.38%", "0.32%", "gpu:H200")}'
+                    f'{reproduce.README_END}\n')
+  table = (header + row('A', '0.42%', '0.30%', 'cpu:cpu') +
+           row('B, seed 0', '0.30%', '-', 'cpu:cpu') +
+           row('B, seed 1', '0.36%', '-', 'cpu:cpu') +
+           row('B, seed 2', '0.27%', '-', 'cpu:cpu') +
+           row('C', '0.50%', '0.40%', 'cpu:cpu') +
+           row('D, seeded', '0.10%', '0.10%', 'cpu:cpu'))
+  for _ in range(2):
+    reproduce.update_readme(str(readme), table)
+    lines = readme.read_text().splitlines()[3:-1]
+    titles = [line.split(' | ')[0][2:] for line in lines]
+    assert titles == ['A, seed 1', 'A', 'A, mean of 2 seeds', 'B, seed 0',
+                      'B, seed 1', 'B, seed 2', 'B, mean of 3 seeds', 'C',
+                      'D, seeded']
+  assert lines[2] == ('| A, mean of 2 seeds | test error | 0.25% | 0.40% '
+                      '(0.38-0.42%) | 0.31% (0.30-0.32%) | 21500 | 50.12 | - | '
+                      '- | cpu:cpu, gpu:H200 | - | finished |')
+  assert lines[6].startswith('| B, mean of 3 seeds | test error | 0.25% | '
+                             '0.31% (0.27-0.36%) | - | 21500 | 50.12 | - | - | '
+                             'cpu:cpu | - |')
+  other = '| experiment | test |\n|---|---|\n| X | 1 |\n| X, seed 1 | 2 |\n'
+  assert reproduce.seed_means(other.splitlines()[0],
+                              other.splitlines()[2:]) == other.splitlines()[2:]
+
+
 def test_readme_gets_every_finished_row_and_a_finished_run_keeps_its_command(
     tmp_path, fake_suite):
   fake_suite += [_fake('a', 2), _fake('b', 2), _fake('c', 2)]
