@@ -13,8 +13,9 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl \
 #     ml_collections tensorboardX hypothesis sortedcontainers
-# The device call (timeout_s 600: the script stops itself after 540 s):
-#   run(command='bash benchmarks/gpu_session.sh', carry=['.whl'], timeout_s=600)
+# On the GPU machine, with .whl/ copied along and 10 minutes (the script
+# stops itself after 540 s):
+#   OUT=DIR bash benchmarks/gpu_session.sh
 # What comes back in $OUT: env.txt (machine and versions), summary.txt (each
 # step's exit status and wall time, then the comparison tables), all.log
 # (every step's output as it ran), profile_capsnet_b128.txt and
@@ -41,7 +42,7 @@ if [ "$DRY" = 1 ]; then
 else
   TOTAL=${SESSION_SECONDS:-540}; PACK=25; TESTS_RESERVE=90
 fi
-OUT=${OUT:?the device call sets OUT}
+OUT=${OUT:?set OUT to the folder for the evidence}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_session.XXXXXX)
 mkdir -p "$WORK/json"

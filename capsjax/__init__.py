@@ -5,7 +5,8 @@ explicit call, to make before JAX's first computation (the experiments,
 benchmarks and tests make it): ``capsjax.prefer_eigen_convolutions()``
 adds ``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`` to
 ``XLA_FLAGS``, so that XLA:CPU runs its Eigen convolutions rather than
-YNNPACK's (3-5x slower to train here; ``capsjax.conv.dispatch``).
+YNNPACK's (whose forward passes ran 2.3-4.8x slower here;
+``capsjax.conv.dispatch``).
 ``CAPSJAX_YNN_CONVOLUTIONS=1`` in the environment, or YNNPACK fusion types
 already named in ``XLA_FLAGS``, leave ``XLA_FLAGS`` alone; it returns what
 it did, in words (tests/test_cpu_convolutions.py).

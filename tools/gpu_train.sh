@@ -3,11 +3,12 @@
 # NAMEs at once on the one GPU, each in its own workdir under the ignored
 # .gpuruns/, and their evidence in at most 8 files under $OUT.
 #
-# Before the device call, in the repository root: the wheels the GPU image
+# Before the GPU run, in the repository root: the wheels the GPU image
 # lacks in .whl/ (benchmarks/gpu_session.sh says how) and the MNIST IDX
 # files in .data/mnist/ (a copy of the local data folder); both ignored.
-#   run(command='bash tools/gpu_train.sh 540 capsnet_mnist_annealed
-#       capsnet_mnist_annealed_seed1', carry=['.whl', '.data'], timeout_s=600)
+# On the GPU machine, with both folders copied along and 10 minutes:
+#   OUT=DIR bash tools/gpu_train.sh 540 capsnet_mnist_annealed \
+#       capsnet_mnist_annealed_seed1
 # MAX_SECONDS bounds each run (`reproduce --max_seconds`): a run cut short
 # keeps its rows out, and its checkpoints (about 100 MB for the CapsNet) do
 # not come back, so give it the whole call. $OUT receives env.txt,
@@ -30,7 +31,7 @@ if [ "${CPU_DRY_RUN:-0}" = 1 ]; then
   OUT=${OUT:-/tmp/gpu_train_dry}; RUNS=$(mktemp -d /tmp/gpuruns.XXXXXX)
   export JAX_PLATFORMS=cpu PYTHONPATH=$PWD
 else
-  : "${OUT:?the device call sets OUT}"; RUNS=.gpuruns
+  : "${OUT:?set OUT to the folder for the evidence}"; RUNS=.gpuruns
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || exit 9
   export PYTHONPATH=/tmp/site:$PWD
