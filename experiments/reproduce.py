@@ -35,15 +35,14 @@ Every call rewrites WORKDIR/reproduction.json (also as each experiment
 ends) and WORKDIR/REPRODUCTION.md: per row the paper's number, ours (test,
 with validation beside it), steps, epochs, wall time (all calls added up),
 the last call's training images/s, device and commit.
-``--readme=README.md`` (paper suite) also writes the table of the suite's
-finished rows (all of them, whatever ``--only`` selects; nothing while
-none has finished) between the README's ``<!-- reproduction:begin -->``
-and ``<!-- reproduction:end -->`` lines, keeping the rows other suite
-workdirs wrote there (a GPU's, another machine's), and a row of the mean
-and range over a claim's seeds once two or more have finished; with
---suite=bench,
-``--benchmarks=BENCHMARKS.md`` writes its table there under the device's
-name.
+``--readme=docs/reproduction.md`` (paper suite) also writes the table of the
+suite's finished rows (all of them, whatever ``--only`` selects; nothing
+while none has finished) between that markdown file's
+``<!-- reproduction:begin -->`` and ``<!-- reproduction:end -->`` lines,
+keeping the rows other suite workdirs wrote there (a GPU's, another
+machine's), and a row of the mean and range over a claim's seeds once two
+or more have finished; with --suite=bench, ``--benchmarks=BENCHMARKS.md``
+writes its table there under the device's name.
 
 Exit status: 0 when every selected experiment is finished, skipped for want
 of its data, or waits for an experiment --only left out (the summary line
@@ -106,8 +105,9 @@ _BENCH_STEPS = flags.DEFINE_integer(
     'bench_steps', 20, 'Timed steps per benchmark row (--suite=bench).',
     lower_bound=1)
 _README = flags.DEFINE_string(
-    'readme', '', "Also write the finished rows into this README's "
-    '<!-- reproduction:begin --> ... <!-- reproduction:end --> block.')
+    'readme', '', "Also write the finished rows into this markdown file's "
+    '<!-- reproduction:begin --> ... <!-- reproduction:end --> block (this '
+    'project keeps them in docs/reproduction.md).')
 _BENCHMARKS = flags.DEFINE_string(
     'benchmarks', '', 'With --suite=bench: also write the table into this '
     "file (BENCHMARKS.md) under the device's name, replacing that device's "
@@ -920,8 +920,9 @@ def write_block(path: str, table: str, begin: str, end: str,
 
 def update_readme(path: str, table: str, written_before: list[str] = ()
                   ) -> list[str]:
-  """The finished rows into README's reproduction block, keeping the rows
-  that other suite workdirs wrote (a GPU's, another machine's).
+  """The finished rows into a markdown file's reproduction block (the
+  project's: docs/reproduction.md), keeping the rows that other suite
+  workdirs wrote (a GPU's, another machine's).
 
   ``written_before``: the rows' titles this workdir wrote earlier; those,
   and the titles in ``table``, are this workdir's: replaced by ``table``'s
@@ -1055,8 +1056,8 @@ def main(argv):
                                     '(--readme takes the paper rows).'))
   if _README.value and _SUITE.value != 'paper':
     launcher.usage_error(ValueError(
-        "--readme goes with --suite=paper (README's block holds the paper "
-        'rows; --suite=bench writes --benchmarks=BENCHMARKS.md).'))
+        '--readme goes with --suite=paper (its block holds the paper rows; '
+        '--suite=bench writes --benchmarks=BENCHMARKS.md).'))
   if _LIST.value:
     launcher.run_command(argv, lambda: print(list_suite(
         _WORKDIR.value, _SUITE.value, _ONLY.value, options)))

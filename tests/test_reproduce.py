@@ -394,6 +394,18 @@ def test_readme_block_gets_the_mean_and_range_of_each_claims_seeds(tmp_path):
                               other.splitlines()[2:]) == other.splitlines()[2:]
 
 
+def test_the_projects_rows_file_has_the_block_and_the_header_it_writes():
+  """docs/reproduction.md, where the project keeps the paper suite's rows:
+  its block exists and starts with the header ``markdown`` writes, so a
+  ``--readme`` call merges into it instead of replacing it."""
+  text = open(os.path.join(REPO, 'docs', 'reproduction.md')).read()
+  start = text.index(reproduce.README_BEGIN) + len(reproduce.README_BEGIN)
+  block = text[start:text.index(reproduce.README_END)].strip().splitlines()
+  header = reproduce.markdown({'suite': 'paper', 'experiments': {}},
+                              []).strip().splitlines()
+  assert block[:2] == header and len(block) > 2
+
+
 def test_readme_gets_every_finished_row_and_a_finished_run_keeps_its_command(
     tmp_path, fake_suite):
   fake_suite += [_fake('a', 2), _fake('b', 2), _fake('c', 2)]
@@ -496,7 +508,7 @@ def test_help_and_bad_flags_are_one_line(tmp_path):
        'is not a directory'),
       ((f'--workdir={tmp_path}', '--max_seconds=-1'), 'max_seconds'),
       ((f'--workdir={tmp_path}', '--suite=smoke',
-        f'--readme={os.path.join(REPO, "README.md")}'),
+        f'--readme={os.path.join(REPO, "docs", "reproduction.md")}'),
        '--readme goes with --suite=paper'),
   ):
     result = _cli(*args)
