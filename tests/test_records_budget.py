@@ -107,3 +107,37 @@ def test_the_link_check_sees_links():
   text = ('[a](docs/x.md) [b](https://example.org) [c](#top) '
           '[d](results/y/README.md#claim)')
   assert list(_relative_links(text)) == ['docs/x.md', 'results/y/README.md']
+
+
+def _runs_rows():
+  """The finished per-run rows of docs/reproduction.md's block: (title,
+  test cell), the seeds' mean rows left out."""
+  with open(os.path.join(REPO, 'docs', 'reproduction.md'),
+            encoding='utf-8') as f:
+    text = f.read()
+  block = text[text.index('<!-- reproduction:begin -->'):
+               text.index('<!-- reproduction:end -->')]
+  rows = []
+  for line in block.splitlines()[3:]:
+    cells = [cell.strip() for cell in line.strip().strip('|').split('|')]
+    if cells[-1] == 'finished' and not re.search(r', mean of \d+ seeds$',
+                                                 cells[0]):
+      rows.append((cells[0], cells[3]))
+  return rows
+
+
+def test_every_full_run_is_reported_in_the_readme_results():
+  """A run that docs/reproduction.md says finished has its test number, in
+  bold as the full runs' numbers are, in the README's Results section: a
+  new result is reported, and a number there that no run gave is caught
+  when it replaces the run's own."""
+  with open(os.path.join(REPO, 'README.md'), encoding='utf-8') as f:
+    readme = f.read()
+  results = readme[readme.index('## Results'):]
+  results = results[:results.index('\n## ', 1)]
+  rows = _runs_rows()
+  assert rows, 'docs/reproduction.md lists no finished run'
+  missing = [(title, test) for title, test in rows
+             if f'**{test}**' not in results]
+  assert not missing, ('README.md\'s Results do not report these finished '
+                       f'runs of docs/reproduction.md: {missing}')
