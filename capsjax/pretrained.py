@@ -278,7 +278,8 @@ def mnist_like(grey: np.ndarray, size: tuple[int, int]) -> np.ndarray:
   """One decoded image -> an MNIST digit: uint8 [28, 28].
 
   ``grey``: uint8 [S, S], the file stretched to a square; ``size``: the
-  file's (width, height), so that the digit keeps its aspect ratio. The
+  image's (width, height) as shown, so that the digit keeps its aspect
+  ratio. The
   background (the border's median) becomes black and the ink light at
   full contrast, as MNIST's; the ink's bounding box is fitted into 20x20
   and placed so that its centre of mass is the image's centre, as MNIST's

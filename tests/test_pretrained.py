@@ -127,6 +127,30 @@ def test_mnist_like_keeps_an_mnist_digit_and_inverts_paper():
   assert np.allclose(centre, 14, atol=0.6)
 
 
+def test_a_phone_photo_turned_by_exif_keeps_its_digit_upright_and_thin(
+    tmp_path):
+  """A "1" (a dark bar 10 wide, 80 tall on paper 60 x 120) stored a quarter
+  turn round with EXIF orientation 6, as phones store portrait photos,
+  reads as the same thin upright digit as the upright file: the aspect
+  ratio is the shown image's, not the stored raster's."""
+  shown = np.full((120, 60), 235, np.uint8)
+  shown[20:100, 25:35] = 20
+  upright = tmp_path / 'upright.png'
+  Image.fromarray(shown).save(upright)
+  turned = tmp_path / 'turned.jpg'
+  exif = Image.Exif()
+  exif[0x0112] = 6  # shown = stored turned 90 degrees clockwise
+  Image.fromarray(shown).transpose(Image.Transpose.ROTATE_90).save(
+      turned, exif=exif.tobytes(), quality=95)
+  digits, kept = pretrained.read_digits([upright, turned])
+  assert kept == [upright, turned]
+  for digit in digits[..., 0]:
+    rows, cols = np.nonzero(digit > 64)
+    assert np.ptp(rows) + 1 >= 19 and np.ptp(cols) + 1 <= 5, (
+        np.ptp(rows), np.ptp(cols))
+  assert np.abs(digits[0].astype(int) - digits[1]).mean() < 8
+
+
 def _write_images(folder: Path) -> tuple[Path, int]:
   """Grey and RGB, PNG and JPEG, different sizes, one corrupt file and a
   text file; returns the MNIST test image saved as PNG and its label."""

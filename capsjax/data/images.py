@@ -213,8 +213,11 @@ class Decoded(NamedTuple):
 
   array: np.ndarray  # uint8 [S, S, 3], grey images replicated
   grey: bool
-  size: tuple[int, int]  # the file's (width, height)
+  size: tuple[int, int]  # the image's (width, height) as shown: EXIF rotation applied
   shape_in_alpha: bool  # composited onto white (``onto_white``)
+
+
+_EXIF_ORIENTATION = 0x0112
 
 
 def decode_image(path: PathLike, image_size: int, resize_mode: str
@@ -230,6 +233,10 @@ def decode_image(path: PathLike, image_size: int, resize_mode: str
   try:
     with Image.open(path) as image:
       size = image.size
+      # EXIF orientations 5-8 turn the stored image a quarter: the shown
+      # image's width is the stored height.
+      if image.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
+        size = size[::-1]
       # JPEG only: decode at the smallest power-of-two scale that still
       # covers the target, a large saving on photos.
       image.draft(None, (image_size, image_size))
