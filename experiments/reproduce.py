@@ -746,6 +746,8 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
 
   with _Signals() as signals:
     for experiment in experiments:
+      if signals.signum is not None:  # came between two experiments
+        break
       record = state['experiments'][experiment.name]
       exp_dir = os.path.join(workdir, experiment.name)
       argv = command(experiment, workdir, options)
@@ -772,6 +774,8 @@ def _run_suite(workdir: str, suite: str, by_name: dict[str, Experiment],
       began = time.monotonic()
       child = signals.child = _Child(argv, os.path.join(exp_dir,
                                                         'reproduce.log'))
+      if signals.signum is not None:  # came while it was being started
+        child.signal_once(signals.signum)
       timed_out = False
       while child.process.poll() is None:
         try:

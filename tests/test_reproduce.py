@@ -191,6 +191,42 @@ def test_ctrl_c_is_passed_on_once_and_the_experiment_saves(tmp_path,
   assert 'stopped at step' in open(tmp_path / 'long' / 'reproduce.log').read()
 
 
+def test_a_signal_between_experiments_starts_no_other(tmp_path, fake_suite):
+  """SIGTERM while the suite checks an experiment (no child running): the
+  next one is not started and the suite exits at once."""
+  def needs(options):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return 'skipped: no data'
+  fake_suite += [_fake('skipped', 2, needs=needs), _fake('next', 1000)]
+  began = time.monotonic()
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 128 + signal.SIGTERM
+  assert time.monotonic() - began < 10
+  assert _state(tmp_path)['experiments']['next']['status'] == 'not started'
+
+
+def test_a_signal_while_the_experiment_starts_reaches_it(tmp_path, fake_suite,
+                                                         monkeypatch):
+  """SIGTERM after the experiment's process started but before the suite
+  knew it as its child is still passed on: it saves and stops."""
+  class SignalledAtStart(reproduce._Child):
+    def __init__(self, argv, log_path):
+      super().__init__(argv, log_path)
+      deadline = time.monotonic() + 30
+      while time.monotonic() < deadline and not (
+          os.path.exists(log_path) and 'starting at step' in open(
+              log_path).read()):
+        time.sleep(0.05)  # until its signal handlers are in place
+      os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(reproduce, '_Child', SignalledAtStart)
+  fake_suite += [_fake('long', 1000, step_s=0.05)]
+  began = time.monotonic()
+  assert reproduce.run_suite(str(tmp_path), 'paper') == 128 + signal.SIGTERM
+  assert time.monotonic() - began < 20
+  assert _state(tmp_path)['experiments']['long']['status'] == (
+      'interrupted; rerun to continue')
+  assert 'stopped at step' in open(tmp_path / 'long' / 'reproduce.log').read()
+
+
 def test_a_workdir_belongs_to_one_suite(tmp_path, fake_suite):
   fake_suite.append(_fake('a', 1))
   reproduce.run_suite(str(tmp_path), 'paper')
