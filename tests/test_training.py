@@ -222,7 +222,7 @@ def test_write_json_atomic(tmp_path):
   path = str(tmp_path / 's.json')
   metrics_lib.write_json_atomic(path, {'a': 1})
   assert json.load(open(path)) == {'a': 1}
-  assert not os.path.exists(path + '.tmp')
+  assert os.listdir(tmp_path) == ['s.json']  # no temporary file left
 
 
 # ----------------------------------------------------------------------------

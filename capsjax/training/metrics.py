@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -163,9 +164,11 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-  """``text`` into ``path`` through ``path.tmp``: a kill or a full disk
-  mid-write leaves the old file whole."""
-  tmp = path + '.tmp'
+  """``text`` into ``path`` through a temporary file beside it: a kill or
+  a full disk mid-write leaves the old file whole. The temporary file is
+  this process's and thread's own, so two writers of one file (two suites
+  writing one ``--readme``) cannot replace each other's half-written one."""
+  tmp = f'{path}.{os.getpid()}.{threading.get_ident()}.tmp'
   try:
     with open(tmp, 'w') as f:
       f.write(text)
