@@ -1062,6 +1062,15 @@ def main(argv):
     launcher.usage_error(ValueError(
         '--readme goes with --suite=paper (its block holds the paper rows; '
         '--suite=bench writes --benchmarks=BENCHMARKS.md).'))
+  if _README.value:
+    with open(_README.value) as f:
+      text = f.read()
+    if not 0 <= text.find(README_BEGIN) < text.find(README_END):
+      # Found now, not after hours of training.
+      launcher.usage_error(ValueError(
+          f'--readme={_README.value} has no {README_BEGIN} ... {README_END} '
+          'block to write the rows into: add the two lines, in that order, '
+          'where the table belongs.'))
   if _LIST.value:
     launcher.run_command(argv, lambda: print(list_suite(
         _WORKDIR.value, _SUITE.value, _ONLY.value, options)))

@@ -23,6 +23,8 @@ def test_wheel_ships_capsjax_only(tmp_path):
   # The C++ sources (oneDNN's convolutions, the EM kernel) travel with it.
   assert 'capsjax/conv/csrc/onednn_conv.cc' in names
   assert 'capsjax/csrc/em_routing.cc' in names
+  # The Apache-2.0 text that pyproject.toml's license names.
+  assert any(name.endswith('.dist-info/licenses/LICENSE') for name in names)
 
 
 def test_experiments_run_from_a_clone():

@@ -546,6 +546,8 @@ def test_help_and_bad_flags_are_one_line(tmp_path):
       ((f'--workdir={tmp_path}', '--suite=smoke',
         f'--readme={os.path.join(REPO, "docs", "reproduction.md")}'),
        '--readme goes with --suite=paper'),
+      ((f'--workdir={tmp_path}', f'--readme={os.path.join(REPO, "pyproject.toml")}'),
+       'has no <!-- reproduction:begin --> ... <!-- reproduction:end -->'),
   ):
     result = _cli(*args)
     assert result.returncode == 2, (args, result.stderr)
