@@ -9,10 +9,11 @@ Each model is two files in ``capsjax/pretrained_models/``: ``NAME.npz``, its
 trained parameters and batch statistics by their paths in the model
 (float32, or float16 where float32 would pass 5 MB), and ``NAME.json``: the
 training run's config, command, commit, date, validation and test accuracy,
-and the SHA-256 of the ``.npz``. ``load`` checks that digest against the
-one in ``MODELS`` below before reading a byte of parameters, then builds the
-model from the stored config with the function training uses
-(``training.state.create_model``) and fills its parameters.
+and the SHA-256 of the ``.npz``. ``load`` reads each file once and checks
+it against ``MODELS`` below (the ``.npz``'s bytes, the ``.json``'s content)
+before using it, then builds the model from the stored config with the
+function training uses (``training.state.create_model``) and fills its
+parameters.
 
 The command line classifies image files (PNG, JPEG and the rest Pillow
 reads; any size, grey or colour) as the model's training images looked:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import sys
@@ -60,10 +62,13 @@ SHIPPED = (nnx.Param, nnx.BatchStat)
 
 
 class Entry(NamedTuple):
-  """A shipped model: what it is, and the SHA-256 of its ``.npz``."""
+  """A shipped model: what it is, the SHA-256 of its ``.npz`` and that of
+  its ``.json``'s content (``info_sha256``: the config that builds the
+  model is checked too)."""
 
   description: str
   sha256: str
+  info_sha256: str
 
 
 # The registry. A retrained model changes its digest here too: the file and
@@ -73,15 +78,18 @@ MODELS: dict[str, Entry] = {
         'Efficient-CapsNet (self-attention routing, 161,824 parameters and '
         'its decoder) on MNIST digits 0-9 at its authors\' protocol, 99.67% '
         'test; float16 file',
-        '317a989294b15b79d66a7e86ec4556c7acc876c1e83679f8b17affe1ae8a603e'),
+        '317a989294b15b79d66a7e86ec4556c7acc876c1e83679f8b17affe1ae8a603e',
+        'f35c0682e677f46d42bc23edce6fde13a545364de207623b86a8d14ec6eb9623'),
     'capsnet_mnist_smoke': Entry(
         'CapsNet (reduced :smoke widths, 3 routing iterations) on MNIST '
         'digits 0-9; 700 steps on a 2-core CPU',
-        '357092940b99903bff3aadf51893c004e26574a1955792717c60aacf602613d4'),
+        '357092940b99903bff3aadf51893c004e26574a1955792717c60aacf602613d4',
+        '17626fe126d2f8ff794e7ee88a4cf76773106796b58856cfdbd8c4ed3b9e9d87'),
     'matrix_capsnet_mnist_smoke': Entry(
         'EM-routing matrix capsules (:smoke, A=32 B=4 C=D=8) on MNIST digits '
         '0-9, reading the central 24x24; 1,169 steps on a 2-core CPU',
-        '6361788ec993d585bf7ef32fbddacc170c416569e5fff92e8efbc73c30f61652'),
+        '6361788ec993d585bf7ef32fbddacc170c416569e5fff92e8efbc73c30f61652',
+        '5c62b762ec8793d80bcfd359ce32086ac1f25867435f10a02989e643c61365ef'),
 }
 
 # MNIST's digits: fitted into a 20x20 box, centred by mass in 28x28.
@@ -126,7 +134,27 @@ def file_sha256(path: str | os.PathLike) -> str:
 def verify(path: str | os.PathLike, expected: str) -> None:
   """DigestMismatch naming ``path`` and both digests unless its SHA-256 is
   ``expected``."""
-  actual = file_sha256(path)
+  _verified_bytes(path, expected)
+
+
+def _verified_bytes(path: str | os.PathLike, expected: str) -> bytes:
+  """The file's bytes, read once and checked (``verify``): what is checked
+  is what is used."""
+  with open(path, 'rb') as f:
+    data = f.read()
+  _check(path, hashlib.sha256(data).hexdigest(), expected)
+  return data
+
+
+def info_sha256(info: dict[str, Any]) -> str:
+  """SHA-256 of a model's info (its ``.json``) as canonical JSON: the
+  content is checked, not its whitespace or line endings (a checkout that
+  turns them into CRLF changes no digest)."""
+  text = json.dumps(info, sort_keys=True, separators=(',', ':'))
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check(path: str | os.PathLike, actual: str, expected: str) -> None:
   if actual != expected:
     raise DigestMismatch(
         f'{os.fspath(path)}: SHA-256 {actual} differs from the registry\'s '
@@ -181,9 +209,12 @@ def save_params(params, path: str | os.PathLike, dtype='float32') -> str:
 
 
 def _read_info(name: str) -> dict[str, Any]:
+  """The model's ``.json``, checked against the registry's digest."""
   _, json_path = paths(name)
   with open(json_path) as f:
-    return json.load(f)
+    info = json.load(f)
+  _check(json_path, info_sha256(info), _entry(name).info_sha256)
+  return info
 
 
 def _model_with(config, arrays: dict[str, np.ndarray], where: str):
@@ -215,11 +246,11 @@ def load_context(name: str, data_dir: str | None = None):
     registry's.
   """
   npz_path, _ = paths(name)
-  verify(npz_path, _entry(name).sha256)
+  data = _verified_bytes(npz_path, _entry(name).sha256)
   info = _read_info(name)
   config = ml_collections.ConfigDict(info['config'])
   config.data_dir = data_dir or ''
-  with np.load(npz_path) as stored:
+  with np.load(io.BytesIO(data)) as stored:
     arrays = {key: stored[key] for key in stored.files}
   graphdef, state = state_lib.init_train_state(
       _model_with(config, arrays, os.fspath(npz_path)),

@@ -2,6 +2,7 @@
 their accuracy on MNIST's test images, the command line and the README's
 command."""
 
+import json
 import math
 import os
 import re
@@ -48,6 +49,7 @@ def test_every_entry_has_small_files_matching_its_digest():
     # The JSON beside it records the same digest, and the stored dtype.
     info = pretrained._read_info(name)
     assert info['sha256'] == entry.sha256, name
+    assert pretrained.info_sha256(info) == entry.info_sha256, name
     with np.load(npz_path) as stored:
       assert {str(stored[key].dtype) for key in stored.files} == {
           info['dtype']}, name
@@ -109,6 +111,26 @@ def test_a_corrupted_copy_fails_the_digest_check(tmp_path, monkeypatch):
 
 
 @conftest.needs_mnist
+def test_an_edited_config_fails_its_digest_and_line_endings_do_not(
+    tmp_path, monkeypatch):
+  """The .json builds the model: a changed routing-iteration count (same
+  parameter shapes, other outputs) is refused; the same content with CRLF
+  line endings (a Windows checkout) loads."""
+  name = 'capsnet_mnist_smoke'
+  for path in pretrained.paths(name):
+    shutil.copy(path, tmp_path)
+  monkeypatch.setattr(pretrained, 'MODELS_DIR', tmp_path)
+  json_path = tmp_path / f'{name}.json'
+  text = json_path.read_text()
+  json_path.write_bytes(text.replace('\n', '\r\n').encode())
+  assert pretrained.load(name)[1]['sha256'] == pretrained.MODELS[name].sha256
+  info = json.loads(text)
+  info['config']['model_options']['num_iterations'] = 1
+  json_path.write_text(json.dumps(info, indent=1))
+  with pytest.raises(pretrained.DigestMismatch, match=str(json_path)):
+    pretrained.load(name)
+
+
 def test_mnist_like_keeps_an_mnist_digit_and_inverts_paper():
   grey = _mnist_test(1)[0][0, ..., 0]
   assert np.abs(pretrained.mnist_like(grey, (28, 28)).astype(int) -

@@ -8,7 +8,8 @@
 The model is the one the run tested (``training.load_context``: selected
 on validation); the JSON holds the run's config, the command and commit
 given, its date, accuracies and training time (the workdir's
-``summary.json``) and the ``.npz``'s SHA-256, which is printed: copy it into
+``summary.json``) and the ``.npz``'s SHA-256. Both digests, the ``.npz``'s
+and the ``.json`` content's, are printed: copy them into
 ``capsjax.pretrained.MODELS``.
 """
 
@@ -87,7 +88,8 @@ def main() -> None:
     json.dump(info, f, indent=1)
     f.write('\n')
   print(f'{npz_path}: {os.path.getsize(npz_path):,} bytes, SHA-256 '
-        f'{info["sha256"]}')
+        f'{info["sha256"]}; its .json content: SHA-256 '
+        f'{pretrained.info_sha256(info)}')
 
 
 if __name__ == '__main__':
