@@ -34,6 +34,7 @@ from jax.typing import ArrayLike
 
 from capsjax.routing import NORM_EPSILON
 from capsjax.routing import UNROLL_ITERATIONS
+from capsjax.routing import floating_array
 from capsjax.routing import safe_norm
 
 # torch.nn.LayerNorm's default epsilon, which the inverted dot-product
@@ -76,14 +77,15 @@ def efficient_squash(s: ArrayLike, axis: int = -1, *,
   s = 0. Here |s| = sqrt(|s|^2 + eps) and 1 - exp(-|s|) = -expm1(-|s|),
   exact also for small |s|. Maps lengths into [0, 1); near zero it is the
   identity (s (1 - |s| / 2 + ...)), so a zero vector maps to zero with
-  gradient 1.
+  gradient 1. In float32 the squared norm overflows for |s| above about
+  1.8e19 (the result is then 0).
 
   Args:
     s: [..., D] vectors (D along ``axis``).
   Returns:
     [..., D], same dtype as ``s``; computed in float32 (float64 stays).
   """
-  s = jnp.asarray(s)
+  s = floating_array(s, 's')
   s_wide = s.astype(_compute_dtype(s))
   norm = safe_norm(s_wide, axis=axis, keepdims=True, eps=eps)
   return (-jnp.expm1(-norm) / norm * s_wide).astype(s.dtype)
@@ -119,7 +121,7 @@ def self_attention_routing(
     coupling [..., I, O] = c + B, the weights that produced ``outputs``
     (compute dtype; sums to 1 over O without priors).
   """
-  votes = jnp.asarray(votes)
+  votes = floating_array(votes, 'votes')
   _check_votes(votes)
   wide = votes.astype(_compute_dtype(votes))
   dim = votes.shape[-1]
@@ -152,7 +154,7 @@ def pose_layer_norm(poses: ArrayLike, scale: ArrayLike | None = None,
   Returns:
     [..., D], same dtype as ``poses``.
   """
-  poses = jnp.asarray(poses)
+  poses = floating_array(poses, 'poses')
   centred = poses - jnp.mean(poses, axis=-1, keepdims=True)
   variance = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
   normalized = centred * jax.lax.rsqrt(variance + eps)
@@ -207,7 +209,7 @@ def inverted_dot_product_routing(
     sums to 1 over O; uniform 1/O when T = 1).
   """
   _check_iterations(num_iterations)
-  votes = jnp.asarray(votes)
+  votes = floating_array(votes, 'votes')
   _check_votes(votes)
   wide = votes.astype(_compute_dtype(votes))
   batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]

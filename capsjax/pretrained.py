@@ -20,7 +20,8 @@ reads; any size, grey or colour) as the model's training images looked:
 ``mnist_like`` turns a dark digit on light paper, or a light one on dark,
 into an MNIST digit (light on black, fitted into 20x20 and centred by its
 centre of mass in 28x28). It prints ``PATH<TAB>CLASS<TAB>SCORE`` per image
-(the score: the winning capsule's length, or the EM model's activation);
+(the score: the winning capsule's length, or the EM model's activation;
+a tab or newline in PATH is escaped as ``\\t``, ``\\n``);
 unreadable files are named on stderr and skipped; exit status 2 when none
 could be read.
 """
@@ -197,8 +198,13 @@ def save_params(params, path: str | os.PathLike, dtype='float32') -> str:
   """Writes ``params`` (an ``nnx.State``) as a compressed ``.npz`` of
   ``dtype`` arrays by path ('float16' halves a file; ``load`` casts back to
   the model's dtype); returns its SHA-256."""
-  arrays = {name: np.asarray(leaf, np.dtype(dtype))
-            for name, leaf in _flat(params).items()}
+  with np.errstate(over='ignore'):  # checked below, with the leaf named
+    arrays = {name: np.asarray(leaf, np.dtype(dtype))
+              for name, leaf in _flat(params).items()}
+  for name, array in arrays.items():
+    if not np.all(np.isfinite(array)):
+      # float16 ends at 65,504: a larger weight would ship as inf.
+      raise ValueError(f'{name} is not finite as {dtype}; store float32.')
   with open(path, 'wb') as f:
     np.savez_compressed(f, **arrays)
   return file_sha256(path)
@@ -432,7 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   scores = predict_scores(model, info, digits)
   for path, row in zip(kept, scores, strict=True):
     k = int(np.argmax(row))
-    print(f'{path}\t{info["classes"][k]}\t{row[k]:.4f}')
+    # A tab or newline in a file name would break the three columns.
+    shown = os.fspath(path).replace('\t', '\\t').replace('\n', '\\n')
+    print(f'{shown}\t{info["classes"][k]}\t{row[k]:.4f}')
   return 0
 
 

@@ -62,6 +62,17 @@ def _float32(x: ArrayLike) -> jax.Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def floating_array(x: ArrayLike, name: str) -> jax.Array:
+  """``x`` as an array; TypeError unless it is floating point. The results
+  are in the input's dtype, so integer votes would come back as zeros."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    raise TypeError(
+        f'{name} must be floating point (float32, bfloat16 or float64), got '
+        f'{x.dtype}: cast it first, e.g. {name}.astype(jnp.float32).')
+  return x
+
+
 def _check_iterations(num_iterations: int) -> None:
   if not isinstance(num_iterations, int) or num_iterations < 1:
     raise ValueError(
@@ -95,7 +106,7 @@ def squash(s: ArrayLike, axis: int = -1, *, constant: float = 1.0,
   Returns:
     [..., D], same dtype as ``s``; computed in float32.
   """
-  s = jnp.asarray(s)
+  s = floating_array(s, 's')
   s32 = _float32(s)
   squared_norm = jnp.sum(jnp.square(s32), axis=axis, keepdims=True)
   scale = squared_norm / (constant + squared_norm) * jax.lax.rsqrt(
@@ -206,6 +217,7 @@ def dynamic_routing(
   """
   _check_iterations(num_iterations)
   check_dynamic_impl('impl', impl)
+  votes = floating_array(votes, 'votes')
   if impl == 'pallas':
     # Imported here: pallas_routing builds on this module.
     from capsjax import pallas_routing
@@ -213,7 +225,6 @@ def dynamic_routing(
         votes, num_iterations, accumulate=accumulate, leaky=leaky,
         squash_constant=squash_constant, bias=bias,
         normalize_agreement=normalize_agreement)
-  votes = jnp.asarray(votes)
   if votes.ndim < 3:
     raise ValueError(
         f'votes must be [..., in_caps, out_caps, dim], got shape {votes.shape}.')
@@ -623,7 +634,7 @@ def em_routing(
   """
   options = with_overrides(options, num_iterations, **fields)
   num_iterations = options.num_iterations
-  votes = jnp.asarray(votes)
+  votes = floating_array(votes, 'votes')
   activations = jnp.asarray(activations)
   if votes.ndim < 3:
     raise ValueError(

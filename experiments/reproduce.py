@@ -890,7 +890,7 @@ def markdown(state: dict[str, Any], names: list[str],
             f"{number('eval_images_per_s', '.1f')} | "
             f"{number('compile_s', '.1f')} | "
             f"{'-' if memory is None else f'{memory / 2**30:.2f}'} | "
-            f"{number('fraction_of_peak', '.3f')} | {row.get('device', '-')} "
+            f"{number('fraction_of_peak', '.3f')} | {row.get('device') or '-'} "
             f"| {status} |")
         continue
       lines.append(
@@ -898,7 +898,7 @@ def markdown(state: dict[str, Any], names: list[str],
           f"{row.get('paper', '-')} | {_percent(row.get('test'))} | "
           f"{_percent(row.get('validation'))} | {row.get('steps', '-')} | "
           f"{number('epochs', '.2f')} | {_wall_time(record['wall_s'])} | "
-          f"{number('images_per_s', '.1f')} | {row.get('device', '-')} | "
+          f"{number('images_per_s', '.1f')} | {row.get('device') or '-'} | "
           f"{(row.get('commit') or '-')[:7]} | {status} |")
   return head + '\n'.join(lines) + '\n'
 

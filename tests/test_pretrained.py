@@ -131,6 +131,17 @@ def test_an_edited_config_fails_its_digest_and_line_endings_do_not(
     pretrained.load(name)
 
 
+def test_a_weight_beyond_float16_is_not_exported_as_inf(tmp_path):
+  path = tmp_path / 'm.npz'
+  with pytest.raises(ValueError, match=r"\['w'\] is not finite as float16"):
+    pretrained.save_params({'w': np.array([1e6], np.float32)}, path,
+                           'float16')
+  assert not path.exists()
+  pretrained.save_params({'w': np.array([1e6], np.float32)}, path)
+  with np.load(path) as stored:
+    assert stored["['w']"][0] == 1e6
+
+
 def test_mnist_like_keeps_an_mnist_digit_and_inverts_paper():
   grey = _mnist_test(1)[0][0, ..., 0]
   assert np.abs(pretrained.mnist_like(grey, (28, 28)).astype(int) -
@@ -193,14 +204,17 @@ def _write_images(folder: Path) -> tuple[Path, int]:
 @conftest.needs_mnist
 def test_the_command_line_prints_a_line_per_readable_image(tmp_path, capsys):
   png, label = _write_images(tmp_path / 'images')
+  # A tab in a file name is printed escaped: still three columns.
+  shutil.copy(png, tmp_path / 'images' / 'tab\tname.png')
   status = pretrained.main(['capsnet_mnist_smoke', str(tmp_path / 'images')])
   out, err = capsys.readouterr()
   assert status == 0
   lines = [line.split('\t') for line in out.splitlines()]
-  assert len(lines) == 3 and all(len(fields) == 3 for fields in lines)
+  assert len(lines) == 4 and all(len(fields) == 3 for fields in lines)
   by_path = {fields[0]: fields for fields in lines}
   assert by_path[str(png)][1] == str(label)
   for path, name, score in lines:
+    path = path.replace('\\t', '\t')
     assert Path(path).is_file() and name in [str(k) for k in range(10)]
     assert 0 <= float(score) <= 1
   assert 'broken.png' in err and 'broken.png' not in out

@@ -278,6 +278,36 @@ def test_squash_zero_vector_has_zero_value_and_finite_gradient(dtype):
   np.testing.assert_array_equal(norm_grad, 0.0)
 
 
+def test_integer_inputs_are_refused_not_routed_to_zeros():
+  """Every routing returns its votes' dtype: integer votes (np.arange, a
+  count) would come back as zeros, so they are refused with the fix."""
+  from capsjax import attention_routing
+  votes = np.ones((2, 4, 3, 4), np.int32)
+  calls = {
+      'squash': lambda: routing.squash(votes[:, 0]),
+      'dynamic_routing': lambda: routing.dynamic_routing(votes, 2),
+      'em_routing': lambda: routing.em_routing(
+          votes, np.ones((2, 4)), beta_u=0.0, beta_a=0.0, num_iterations=2),
+      'efficient_squash': lambda: attention_routing.efficient_squash(
+          votes[:, 0]),
+      'self_attention_routing': lambda: (
+          attention_routing.self_attention_routing(votes)),
+      'inverted_dot_product_routing': lambda: (
+          attention_routing.inverted_dot_product_routing(votes, 2)),
+      'pose_layer_norm': lambda: attention_routing.pose_layer_norm(
+          votes[:, 0]),
+  }
+  for name, call in calls.items():
+    with pytest.raises(TypeError, match='must be floating point .* int32: '
+                       'cast it first'):
+      call()
+    print(name, 'refused')
+  # Floating votes of every width still route.
+  for dtype in (jnp.bfloat16, jnp.float32):
+    outputs, _ = routing.dynamic_routing(votes.astype(dtype), 2)
+    assert outputs.dtype == dtype and bool(jnp.all(outputs > 0))
+
+
 def test_safe_norm_matches_numpy():
   x = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
   np.testing.assert_allclose(routing.safe_norm(x), np.linalg.norm(x, axis=-1),
