@@ -944,6 +944,8 @@ def update_readme(path: str, table: str, written_before: list[str] = ()
   ours = set(written_before) | {_title(row) for row in new[2:]}
   if len(old) > 2 and old[:2] == new[:2]:
     new[2:] = [row for row in old[2:] if _title(row) not in ours] + new[2:]
+  # One row a title (two blocks merged by git may hold one twice): the last.
+  new[2:] = list({_title(row): row for row in new[2:]}.values())
   write_block(path, '\n'.join(new[:2] + seed_means(new[0] if new else '',
                                                     new[2:])) + '\n',
               README_BEGIN, README_END)
