@@ -152,17 +152,21 @@ def pose_layer_norm(poses: ArrayLike, scale: ArrayLike | None = None,
     scale, offset: None or broadcastable to [D] (the learned affine
       parameters, one per pose entry shared over the capsules).
   Returns:
-    [..., D], same dtype as ``poses``.
+    [..., D], same dtype as ``poses``; computed in float32 (float64 stays),
+    as the routings.
   """
   poses = floating_array(poses, 'poses')
-  centred = poses - jnp.mean(poses, axis=-1, keepdims=True)
+  wide = poses.astype(_compute_dtype(poses))
+  centred = wide - jnp.mean(wide, axis=-1, keepdims=True)
   variance = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
   normalized = centred * jax.lax.rsqrt(variance + eps)
   if scale is not None:
-    normalized = normalized * jnp.broadcast_to(scale, normalized.shape)
+    normalized = normalized * jnp.broadcast_to(
+        jnp.asarray(scale, wide.dtype), normalized.shape)
   if offset is not None:
-    normalized = normalized + jnp.broadcast_to(offset, normalized.shape)
-  return normalized
+    normalized = normalized + jnp.broadcast_to(
+        jnp.asarray(offset, wide.dtype), normalized.shape)
+  return normalized.astype(poses.dtype)
 
 
 def inverted_dot_product_routing(

@@ -467,6 +467,25 @@ def test_one_input_capsule_by_hand():
                                    + 1e-5), **F64)
 
 
+def test_pose_layer_norm_keeps_bfloat16_and_computes_wide():
+  """bfloat16 poses with float32 affine parameters: bfloat16 out, within
+  bfloat16's rounding of the float64 reference (the statistics taken in
+  float32, as the routings take theirs)."""
+  rng = np.random.default_rng(0)
+  poses, scale, offset = (rng.standard_normal(shape) for shape in
+                          ((5, 10, 16), (16,), (16,)))
+  poses16 = jnp.asarray(poses, jnp.bfloat16)
+  out = ar.pose_layer_norm(poses16, jnp.asarray(scale, jnp.float32),
+                           jnp.asarray(offset, jnp.float32))
+  assert out.dtype == jnp.bfloat16
+  rounded = np.asarray(poses16, np.float64)
+  centred = rounded - rounded.mean(-1, keepdims=True)
+  expected = (centred / np.sqrt((centred**2).mean(-1, keepdims=True) +
+                                ar.LAYER_NORM_EPSILON) * scale + offset)
+  np.testing.assert_allclose(np.asarray(out, np.float64), expected,
+                             rtol=2**-7, atol=2**-7)
+
+
 def test_dimension_one_skips_layer_norm():
   """The authors' layer leaves D = 1 poses unnormalised (their LayerNorm of a
   scalar would be the constant offset)."""
