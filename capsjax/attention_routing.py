@@ -204,7 +204,8 @@ def inverted_dot_product_routing(
     layer_norm: normalise each parent pose after every pass (the authors'
       nn.LayerNorm(D)); False leaves the weighted sums as they are.
     scale, offset: the LayerNorm's learned affine parameters, broadcastable
-      to [D] (None: 1 and 0, torch's initial values).
+      to [D] (None: 1 and 0, torch's initial values); with ``layer_norm``
+      only (ValueError otherwise), and unused for D = 1 poses.
     layer_norm_epsilon: added to the variance (torch's default 1e-5).
     scale_agreement: divide the agreement by sqrt(D).
   Returns:
@@ -215,6 +216,10 @@ def inverted_dot_product_routing(
   _check_iterations(num_iterations)
   votes = floating_array(votes, 'votes')
   _check_votes(votes)
+  if not layer_norm and (scale is not None or offset is not None):
+    raise ValueError('scale and offset are the LayerNorm\'s parameters: '
+                     'with layer_norm=False they would be ignored; pass '
+                     'layer_norm=True or drop them.')
   wide = votes.astype(_compute_dtype(votes))
   batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]
   as_wide = lambda x: None if x is None else jnp.asarray(x, wide.dtype)

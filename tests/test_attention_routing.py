@@ -486,6 +486,14 @@ def test_pose_layer_norm_keeps_bfloat16_and_computes_wide():
                              rtol=2**-7, atol=2**-7)
 
 
+def test_layer_norm_parameters_without_layer_norm_are_refused():
+  votes = jnp.ones((2, 4, 3, 8))
+  with pytest.raises(ValueError, match='with layer_norm=False they would be '
+                     'ignored'):
+    ar.inverted_dot_product_routing(votes, 2, layer_norm=False,
+                                    scale=jnp.ones(8))
+
+
 def test_dimension_one_skips_layer_norm():
   """The authors' layer leaves D = 1 poses unnormalised (their LayerNorm of a
   scalar would be the constant offset)."""
