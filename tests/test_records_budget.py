@@ -141,3 +141,30 @@ def test_every_full_run_is_reported_in_the_readme_results():
              if f'**{test}**' not in results]
   assert not missing, ('README.md\'s Results do not report these finished '
                        f'runs of docs/reproduction.md: {missing}')
+
+
+def test_every_test_docs_guarantees_cites_exists():
+  """docs/guarantees.md backs each guarantee with tests by name
+  (`tests/test_x.py::test_y`, then `::test_z` in the same file): each is a
+  test function of that file, so a renamed or deleted test cannot leave a
+  guarantee citing nothing."""
+  with open(os.path.join(REPO, 'docs', 'guarantees.md'),
+            encoding='utf-8') as f:
+    text = f.read()
+  cited, missing, current = 0, [], None
+  for token in re.findall(r'`([^`]+)`', text):
+    match = re.fullmatch(r'(tests/\w+\.py)?(?:::(\w+)(\*)?(?:\[.*\])?)?', token)
+    if not match or not any(match.groups()[:2]):
+      continue
+    path, name, wildcard = match.groups()
+    current = path or current
+    if name is None:
+      continue  # a file named alone: the names that follow are its
+    assert current, f'::{name} cites no file before it'
+    with open(os.path.join(REPO, current), encoding='utf-8') as f:
+      pattern = rf'^def {name}' + (r'\w*\(' if wildcard else r'\(')
+      if not re.search(pattern, f.read(), re.M):
+        missing.append(f'{current}::{name}{wildcard or ""}')
+    cited += 1
+  assert cited > 20, cited
+  assert not missing, f'docs/guarantees.md cites missing tests: {missing}'
