@@ -222,8 +222,6 @@ def inverted_dot_product_routing(
                      'layer_norm=True or drop them.')
   wide = votes.astype(_compute_dtype(votes))
   batch_shape, (num_in, num_out, dim) = votes.shape[:-3], votes.shape[-3:]
-  as_wide = lambda x: None if x is None else jnp.asarray(x, wide.dtype)
-  scale, offset = as_wide(scale), as_wide(offset)
   temperature = math.sqrt(dim) if scale_agreement else 1.0
 
   def pose_update(coupling: jax.Array) -> jax.Array:

@@ -132,15 +132,10 @@ def file_sha256(path: str | os.PathLike) -> str:
   return digest.hexdigest()
 
 
-def verify(path: str | os.PathLike, expected: str) -> None:
-  """DigestMismatch naming ``path`` and both digests unless its SHA-256 is
-  ``expected``."""
-  _verified_bytes(path, expected)
-
-
 def _verified_bytes(path: str | os.PathLike, expected: str) -> bytes:
-  """The file's bytes, read once and checked (``verify``): what is checked
-  is what is used."""
+  """The file's bytes, read once: DigestMismatch naming ``path`` and both
+  digests unless their SHA-256 is ``expected``. What is checked is what is
+  used."""
   with open(path, 'rb') as f:
     data = f.read()
   _check(path, hashlib.sha256(data).hexdigest(), expected)

@@ -960,48 +960,51 @@ def _title(row: str) -> str:
   return row.split(' | ')[0].removeprefix('| ')
 
 
+def _cells(row: str) -> list[str]:
+  return [cell.strip() for cell in row.strip().strip('|').split('|')]
+
+
 def seed_means(header: str, rows: list[str]) -> list[str]:
   """``rows`` of the paper table (``header``: its first line) with a row
   after each claim's last seed: the mean and the range of the test and
   validation errors of its seeds' rows (a claim's seeds: the rows titled
   TITLE or TITLE, seed N; two or more of them). Such rows already in
   ``rows`` are dropped first. Another table's rows come back unchanged."""
-  names = [cell.strip() for cell in header.strip().strip('|').split('|')]
+  names = _cells(header)
   if 'ours (test)' not in names:
     return rows
   rows = [row for row in rows if not _MEAN_TITLE.search(_title(row))]
-  cells = [[cell.strip() for cell in row.strip().strip('|').split('|')]
-           for row in rows]
-  groups: dict[str, list[int]] = {}
-  for index, row in enumerate(cells):
-    if len(row) == len(names):
-      groups.setdefault(_SEED_TITLE.sub('', row[0]), []).append(index)
+  groups: dict[str, list[tuple[int, dict[str, str]]]] = {}
+  for index, row in enumerate(rows):
+    cells = _cells(row)
+    if len(cells) == len(names):
+      groups.setdefault(_SEED_TITLE.sub('', cells[0]), []).append(
+          (index, dict(zip(names, cells, strict=True))))
   after: dict[int, str] = {}
   for claim, members in groups.items():
     if len(members) < 2:
       continue
-    mean = {}
+    seeds = [record for _, record in members]
+    mean = {}  # in the header's order
     for name in names:
-      values = {cells[i][names.index(name)] for i in members}
       # What the seeds share (metric, paper, steps, epochs, status).
+      values = {record[name] for record in seeds}
       mean[name] = values.pop() if len(values) == 1 else '-'
     for name in ('ours (test)', 'validation'):
       try:
-        errors = [float(cells[i][names.index(name)].removesuffix('%'))
-                  for i in members]
+        errors = [float(record[name].removesuffix('%')) for record in seeds]
       except ValueError:  # '-': no number to average
         mean[name] = '-'
         continue
       mean[name] = (f'{sum(errors) / len(errors):.2f}% '
                     f'({min(errors):.2f}-{max(errors):.2f}%)')
-    mean['experiment'] = f'{claim}, mean of {len(members)} seeds'
+    mean['experiment'] = f'{claim}, mean of {len(seeds)} seeds'
     for name in ('wall time', 'train img/s (last call)', 'commit'):
       if name in mean:
         mean[name] = '-'
     if 'device' in mean:
-      mean['device'] = ', '.join(sorted(
-          {cells[i][names.index('device')] for i in members}))
-    after[members[-1]] = '| ' + ' | '.join(mean[name] for name in names) + ' |'
+      mean['device'] = ', '.join(sorted({record['device'] for record in seeds}))
+    after[members[-1][0]] = '| ' + ' | '.join(mean.values()) + ' |'
   return [line for index, row in enumerate(rows)
           for line in (row, after.get(index)) if line is not None]
 
