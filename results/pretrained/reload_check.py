@@ -1,18 +1,27 @@
 """A shipped model reloaded through capsjax.pretrained: its test and
 validation accuracy against the recorded ones, and the first 2,000 test
-images as PNG files read back by read_digits (the command line's path)."""
-import sys, tempfile, os
+images as PNG files read back by read_digits (the command line's path).
+
+    python results/pretrained/reload_check.py NAME   # MNIST in /work/shared/data
+"""
+import os
+import sys
+import tempfile
+
 import numpy as np
 from PIL import Image
+
 from capsjax import pretrained
+
 name = sys.argv[1]
 context, info = pretrained.load_context(name, data_dir='/work/shared/data')
 dataset = context.dataset
-for split, key in (('test', 'test_accuracy'), ('validation', 'validation_accuracy')):
+for split in ('test', 'validation'):
   got = context.evaluate_split(getattr(dataset, split))['accuracy']
-  print(f'{name} reloaded {split} accuracy {got:.4f} recorded {info[key]:.4f}')
-test = dataset.test
-images, labels = np.asarray(test.images[:2000]), np.asarray(test.labels[:2000])
+  recorded = info[f'{split}_accuracy']
+  print(f'{name} reloaded {split} accuracy {got:.4f} recorded {recorded:.4f}')
+images = np.asarray(dataset.test.images[:2000])
+labels = np.asarray(dataset.test.labels[:2000])
 model, info = pretrained.load(name)
 with tempfile.TemporaryDirectory() as tmp:
   files = []
@@ -21,8 +30,15 @@ with tempfile.TemporaryDirectory() as tmp:
     Image.fromarray(image[..., 0]).save(path)
     files.append(path)
   digits, kept = pretrained.read_digits(files)
-assert len(kept) == 2000
-diff = np.mean(np.abs(digits.astype(float) - images.astype(float)))
-acc_arrays = np.mean(np.argmax(pretrained.predict_scores(model, info, images), -1) == labels)
-acc_png = np.mean(np.argmax(pretrained.predict_scores(model, info, digits), -1) == labels)
-print(f'{name}: mean |pixel difference| PNG vs arrays {diff:.3f}; accuracy on the 2000 arrays {acc_arrays:.4f}, on the 2000 PNG files {acc_png:.4f}')
+assert len(kept) == len(files)
+
+
+def accuracy(batch):
+  scores = pretrained.predict_scores(model, info, batch)
+  return np.mean(np.argmax(scores, -1) == labels)
+
+
+difference = np.mean(np.abs(digits.astype(float) - images.astype(float)))
+print(f'{name}: mean |pixel difference| PNG vs arrays {difference:.3f}; '
+      f'accuracy on the 2000 arrays {accuracy(images):.4f}, '
+      f'on the 2000 PNG files {accuracy(digits):.4f}')
