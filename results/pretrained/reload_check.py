@@ -22,7 +22,7 @@ for split in ('test', 'validation'):
   print(f'{name} reloaded {split} accuracy {got:.4f} recorded {recorded:.4f}')
 images = np.asarray(dataset.test.images[:2000])
 labels = np.asarray(dataset.test.labels[:2000])
-model, info = pretrained.load(name)
+model = context.model  # what pretrained.load(name) returns
 with tempfile.TemporaryDirectory() as tmp:
   files = []
   for k, image in enumerate(images):
