@@ -9,10 +9,12 @@ Each mutation replaces one exact piece of source (it must occur exactly once)
 in a fresh copy of the working tree, then runs the tests that should catch
 it, with the copy first on the path. A mutation is "caught" when a test
 fails (pytest exit status 1 with a FAILED test; a collection error or a
-crash is an error, not a catch); the table at the end names the failing
-tests. First the same tests run on an unmutated copy and must pass (else a
-failure would prove nothing); ``--no-control`` skips that run where those
-tests have just passed on the same tree (CI runs the whole suite first).
+crash is an error, not a catch: a run killed by a signal prints pytest's
+faulthandler stacks and runs once more, and its row names the crash); the
+table at the end names the failing tests. First the same tests run on an
+unmutated copy and must pass (else a failure would prove nothing);
+``--no-control`` skips that run where those tests have just passed on the
+same tree (CI runs the whole suite first).
 ``--ci`` is the subset CI runs: one mutation for each of the losses, the
 data pipeline, each family's train step, resume and the routing. Exit status
 1 if the control failed or any mutation survived or errored. Nothing in the
@@ -214,6 +216,10 @@ def run_tests(mutation: Mutation, root: str) -> tuple[str, list[str], float]:
     return 'failed', failed, seconds
   # Not a failing assertion: a collection error, a crash, no tests run.
   last = (out.stdout.strip().splitlines() or ['(no output)'])[-1]
+  if out.returncode < 0:
+    # pytest's faulthandler wrote the crashing threads' stacks to stderr.
+    print(f'pytest died of signal {-out.returncode} ({last}); the end of its '
+          'stderr:\n' + '\n'.join(out.stderr.splitlines()[-60:]), flush=True)
   return f'error: pytest exit status {out.returncode}, {last}', failed, seconds
 
 
@@ -262,18 +268,27 @@ def main() -> int:
       copy_tree(root)
       apply(mutation, root)
       outcome, failed, seconds = run_tests(mutation, root)
+      crash = ''
+      if outcome.startswith('error: pytest exit status -'):
+        # A process killed by a signal is run once more, so that one crash
+        # at exit (seen once, after the summary had reported the failure)
+        # does not decide the outcome; the row still names the crash.
+        crash = f'; the first run: {outcome[len("error: "):]}'
+        outcome, failed, more = run_tests(mutation, root)
+        seconds += more
     result = {'failed': 'caught', 'passed': 'SURVIVED'}.get(outcome,
                                                            outcome.upper())
+    result += crash
     rows.append((mutation, result, failed, seconds))
     print(f'{mutation.name}: {result} ({seconds:.0f} s) {" ".join(failed)}',
           flush=True)
   print('\n| mutation | file | tests run | result | first failing test |')
   print('|---|---|---|---|---|')
   for mutation, result, failed, seconds in rows:
-    shown = result if result == 'caught' else f'**{result.lower()}**'
+    shown = result if result.startswith('caught') else f'**{result.lower()}**'
     print(f'| {mutation.name} | {mutation.path} | {", ".join(mutation.tests)} '
           f'| {shown} ({seconds:.0f} s) | {failed[0] if failed else "-"} |')
-  caught = sum(result == 'caught' for _, result, _, _ in rows)
+  caught = sum(result.startswith('caught') for _, result, _, _ in rows)
   print(f'{caught} of {len(rows)} mutations caught in '
         f'{time.time() - start:.0f} s.')
   return 0 if caught == len(rows) else 1
