@@ -5,8 +5,9 @@ import tempfile
 
 # Unit tests spend most of their time in XLA compilation; the backend's
 # lowest optimisation level roughly halves it. Set before jax is imported.
-# Training subprocesses started by the tests get the caller's flags removed
-# (see ``training_env``) so that they run at full speed.
+# Training subprocesses started by the tests get only the caller's own flags
+# back, and so run at full speed, unless a run of a few steps keeps this
+# level (``training_env``).
 _CALLER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
 os.environ['XLA_FLAGS'] = (_CALLER_XLA_FLAGS +
                            ' --xla_backend_optimization_level=0').strip()
