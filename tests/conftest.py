@@ -5,9 +5,9 @@ import tempfile
 
 # Unit tests spend most of their time in XLA compilation; the backend's
 # lowest optimisation level roughly halves it. Set before jax is imported.
-# Training subprocesses started by the tests get only the caller's own flags
-# back, and so run at full speed, unless a run of a few steps keeps this
-# level (``training_env``).
+# Training subprocesses keep this level too, unless a run long enough for
+# execution to outweigh compilation asks for the caller's own flags back
+# (``training_env(full_speed=True)``).
 _CALLER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
 os.environ['XLA_FLAGS'] = (_CALLER_XLA_FLAGS +
                            ' --xla_backend_optimization_level=0').strip()
@@ -74,13 +74,12 @@ def pytest_runtest_setup(item):
       pytest.skip(message)
 
 
-def training_env(full_speed: bool = True) -> dict[str, str]:
+def training_env(full_speed: bool = False) -> dict[str, str]:
   """Environment for a training subprocess, without a progress bar.
 
   full_speed: XLA's full optimisation, for runs long enough that execution
-    outweighs compilation (accuracy claims, timings). Runs of a few steps pass
-    False and keep the suite's lowest optimisation level, which compiles them
-    faster.
+    outweighs compilation (accuracy claims). Runs of a few steps keep the
+    suite's lowest optimisation level, which compiles them faster.
   """
   flags = _CALLER_XLA_FLAGS if full_speed else os.environ['XLA_FLAGS']
   return dict(os.environ, CAPSJAX_NO_PROGRESS='1', XLA_FLAGS=flags)

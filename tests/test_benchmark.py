@@ -76,7 +76,8 @@ def test_device_count_sweep_in_bfloat16(tmp_path):
        '--warmup=0', '--dtype=bfloat16', '--sweep=num_devices:1,2',
        f'--output={output}'],
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-      env=os.environ | {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+      env=os.environ | {'XLA_FLAGS': os.environ['XLA_FLAGS'] +
+                        ' --xla_force_host_platform_device_count=2'})
   assert result.returncode == 0, result.stderr[-3000:]
   rows = json.loads(output.read_text())['rows']
   assert [r['num_devices'] for r in rows] == [1, 2]

@@ -107,7 +107,7 @@ def _train_on_1_2_4_8_devices(tmp_path, family, options, settings):
       [sys.executable, '-c', _DRIVER, family, data_dir, str(tmp_path / 'w'),
        json.dumps(options), json.dumps(settings)],
       cwd=REPO, capture_output=True, text=True, timeout=900,
-      env=conftest.training_env(full_speed=False))
+      env=conftest.training_env())
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -153,7 +153,7 @@ def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
            *[f'--config.{k}={v}' for k, v in _STEPS.items()],
            f'--config.data_dir={data_dir}']
   command = [sys.executable, '-m', 'experiments.capsnet_mnist']
-  env = conftest.training_env(full_speed=False) | {'JAX_PLATFORMS': 'cpu'}
+  env = conftest.training_env() | {'JAX_PLATFORMS': 'cpu'}
   port = _free_port()
   processes = [
       subprocess.Popen(

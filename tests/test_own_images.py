@@ -873,11 +873,11 @@ def test_predict_from_python_names_each_files_class(trained, tmp_path):
   assert len(dataset.test.labels) == 6
 
 
-def _command(workdir, *flags):
+def _command(workdir, *flags, full_speed=False):
   return subprocess.run(
       [sys.executable, '-m', 'experiments.own_images',
        f'--workdir={workdir}', *flags], cwd=REPO, capture_output=True,
-      text=True, timeout=300, env=conftest.training_env())
+      text=True, timeout=300, env=conftest.training_env(full_speed))
 
 
 def test_predict_from_the_command_line(trained):
@@ -1055,7 +1055,8 @@ def test_fashion_mnist_as_a_folder_matches_the_built_in_reader(tmp_path):
   summaries, sources = {}, {}
   for source, path in (('folder', folder), ('built-in', arrays)):
     workdir = tmp_path / source
-    out = _command(workdir, *flags, f'--config.images={path}')
+    out = _command(workdir, *flags, f'--config.images={path}',
+                   full_speed=True)
     assert out.returncode == 0, out.stdout + out.stderr
     summaries[source] = json.load(open(workdir / 'summary.json'))
     config = own_images_config.get_config('smoke')

@@ -570,12 +570,11 @@ def test_list_prints_each_experiment_and_its_command(tmp_path):
 
 
 def _smoke_suite_command(workdir, *args):
-  env = conftest.training_env()
-  # Four host devices on the two cores: the EM smoke model's CI claim is
-  # made on four (check_smoke_em), and it is the fast path of every model
-  # here (README, several devices).
-  env['XLA_FLAGS'] = (env['XLA_FLAGS'] +
-                      ' --xla_force_host_platform_device_count=4').strip()
+  # The one CPU device a user's run has. Four forced host devices halved
+  # the smoke models' training speed on the 2-core Intel CI machine, and
+  # the fused EM kernel routes only in a one-device process
+  # (docs/multi_host.md).
+  env = conftest.training_env(full_speed=True)
   argv = [sys.executable, '-m', 'experiments.reproduce',
           f'--workdir={workdir}', '--suite=smoke', *args]
   return argv, env
