@@ -112,8 +112,8 @@ def test_kernel_gradients_match_finite_differences():
   poses, acts, weights, beta_u, beta_a = em_window_inputs(
       4, num=2, num_in=5, num_out=3)
   with jax.enable_x64(True):
-    check_grads(lambda *x: em_kernel.route_windows(
-        *x, 3, normalize_cost=True, inverse_temperature=0.7),
+    check_grads(jax.jit(lambda *x: em_kernel.route_windows(
+        *x, 3, normalize_cost=True, inverse_temperature=0.7)),
                 (poses, acts, weights, beta_u, beta_a), order=1,
                 modes=['rev'], atol=1e-4, rtol=1e-4)
 

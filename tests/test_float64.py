@@ -291,6 +291,6 @@ def test_attack_gradients_and_two_digit_reconstructions_keep_float64():
       params = nnx.state(model, nnx.Param)
       nnx.update(model, jax.tree.map(lambda p, d=dtype: p.astype(d), params))
       pairs = jnp.zeros((2, 36, 36, 1), dtype)
-      outputs = vector_capsules.two_digit_outputs(
-          model, pairs, jnp.asarray([[0, 1], [2, 3]]), train=False)
+      outputs = nnx.jit(lambda m, x, y: vector_capsules.two_digit_outputs(
+          m, x, y, train=False))(model, pairs, jnp.asarray([[0, 1], [2, 3]]))
       assert outputs['digit_reconstructions'].dtype == dtype

@@ -516,9 +516,10 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(chunk, normalizer):
     whole = loss_and_grads(0)
     chex.assert_trees_all_close(loss_and_grads(chunk), whole, rtol=1e-10,
                                 atol=1e-12)
-    # Chunked gradients match finite differences.
-    check_grads(lambda p, a, w: capsule_routing.conv_capsule_routing(
-        p, a, w, *params[1:], stride=2, window_chunk=chunk, **options)[:2],
+    # Chunked gradients match finite differences (jitted: one compilation
+    # for every difference, not one per operation).
+    check_grads(jax.jit(lambda p, a, w: capsule_routing.conv_capsule_routing(
+        p, a, w, *params[1:], stride=2, window_chunk=chunk, **options)[:2]),
                 (jnp.asarray(poses), jnp.asarray(acts), params[0]), order=1,
                 modes=['rev'], atol=1e-4, rtol=1e-4)
 

@@ -345,8 +345,8 @@ def test_released_routing_is_finite_on_degenerate_inputs():
         inverse_temperature=_lambdas(3), em_routing=routing.RELEASED_EM)
     return jnp.sum(out_poses) + jnp.sum(out_acts)
 
-  value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(poses, acts,
-                                                             weights)
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+      poses, acts, weights)
   assert np.isfinite(value)
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
@@ -541,7 +541,8 @@ def test_released_model_options():
   assert np.abs(conv1).max() <= 0.1
   transforms = np.asarray(model.caps1.weights[...])
   assert np.abs(transforms).max() <= 0.6  # truncated at 2 x 0.3
-  out = model(np.zeros((2, 32, 32, 1), np.float32))
+  out = nnx.jit(lambda m, x: m(x))(model, np.zeros((2, 32, 32, 1),
+                                                   np.float32))
   assert np.all(np.isfinite(np.asarray(out['class_scores'])))
   with pytest.raises(ValueError, match='released=True only'):
     models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), A=8, B=4, C=4,
