@@ -125,7 +125,7 @@ def check_smoke_em(workdir):
   summary = json.load(open(workdir / 'summary.json'))
   print(json.dumps(summary, indent=1))
   # One device, where the fused EM kernel routes every conv capsule layer:
-  # on the 2-core Intel CI machine it trained the smoke model 2.5 times as
+  # on the 2-core Intel CI machine it trained the smoke model 1.8 times as
   # fast as XLA's routing over four forced devices (docs/multi_host.md).
   assert summary['num_devices'] == 1
   assert summary['em_routing'].startswith('fused kernel:'), summary
