@@ -62,6 +62,12 @@ def pytest_configure(config):
       'directory (skipped without it; a failure under CI=true)')
 
 
+def pytest_collection_modifyitems(items):
+  # The long tests first: on two workers a long test that starts last keeps
+  # one worker busy while the other has nothing left to run.
+  items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+
+
 def pytest_runtest_setup(item):
   for mark in item.iter_markers('needs_data'):
     directory = os.path.normpath(mark.args[0])

@@ -286,6 +286,9 @@ def run_cases(cases: list[dict], extra_env: dict | None = None
   past CASE_TIMEOUT) fails with the worker's end and the next case starts
   a new one."""
   env = dict(os.environ, **(extra_env or {}))
+  # Every compilation into the suite's cache, however short: the same cases
+  # run again with oneDNN held to AVX2, and their programs are the same.
+  env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
   # The worker runs as a script: the capsjax under test comes from
   # PYTHONPATH, this checkout's unless the caller's names another.
   env['PYTHONPATH'] = os.pathsep.join(

@@ -602,6 +602,7 @@ def _logged_step(metrics_path) -> int:
 
 @conftest.needs_mnist
 @pytest.mark.slow
+@pytest.mark.alone
 def test_smoke_suite_stops_on_sigterm_resumes_and_finishes(tmp_path):
   """The smoke suite as a user with time windows runs it: a first call
   ended by SIGTERM (what a scheduler sends at a window's end; --max_seconds

@@ -3,7 +3,7 @@
     python tools/mutation_check.py               # every mutation
     python tools/mutation_check.py --only=skip_e_step,swap_softmax_axis
     python tools/mutation_check.py --list
-    python tools/mutation_check.py --ci --no-control   # what CI runs
+    python tools/mutation_check.py --ci --no-control --jobs=2   # what CI runs
 
 Each mutation replaces one exact piece of source (it must occur exactly once)
 in a fresh copy of the working tree, then runs the tests that should catch
@@ -15,15 +15,18 @@ table at the end names the failing tests. First the same tests run on an
 unmutated copy and must pass (else a failure would prove nothing);
 ``--no-control`` skips that run where those tests have just passed on the
 same tree (CI runs the whole suite first).
-``--ci`` is the subset CI runs: one mutation for each of the losses, the
-data pipeline, each family's train step, resume and the routing. Exit status
-1 if the control failed or any mutation survived or errored. Nothing in the
+``--jobs=N`` checks N mutations at a time (each is one pytest process,
+mostly compiling on one core). ``--ci`` is the subset CI runs: one
+mutation for each of the losses, the data pipeline, each family's train
+step, resume and the routing. Exit status 1 if the control failed or any
+mutation survived or errored. Nothing in the
 working tree is modified.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import re
@@ -223,6 +226,29 @@ def run_tests(mutation: Mutation, root: str) -> tuple[str, list[str], float]:
   return f'error: pytest exit status {out.returncode}, {last}', failed, seconds
 
 
+def check(mutation: Mutation) -> tuple[Mutation, str, list[str], float]:
+  """(mutation, 'caught', 'SURVIVED' or the error, failing tests, seconds)."""
+  with tempfile.TemporaryDirectory(prefix='capsjax-mutant-') as scratch:
+    root = os.path.join(scratch, 'main')
+    copy_tree(root)
+    apply(mutation, root)
+    outcome, failed, seconds = run_tests(mutation, root)
+    crash = ''
+    if outcome.startswith('error: pytest exit status -'):
+      # A process killed by a signal is run once more, so that one crash
+      # at exit (seen once, after the summary had reported the failure)
+      # does not decide the outcome; the row still names the crash.
+      crash = f'; the first run: {outcome[len("error: "):]}'
+      outcome, failed, more = run_tests(mutation, root)
+      seconds += more
+  result = {'failed': 'caught', 'passed': 'SURVIVED'}.get(outcome,
+                                                         outcome.upper())
+  result += crash
+  print(f'{mutation.name}: {result} ({seconds:.0f} s) {" ".join(failed)}',
+        flush=True)
+  return mutation, result, failed, seconds
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='',
@@ -232,11 +258,15 @@ def main() -> int:
   parser.add_argument('--no-control', action='store_true',
                       help='skip the unmutated run (where its tests have just '
                       'passed on this tree)')
+  parser.add_argument('--jobs', type=int, default=1,
+                      help='mutations checked at a time (default 1)')
   parser.add_argument('--list', action='store_true',
                       help='print the mutations and exit')
   args = parser.parse_args()
   if args.ci and args.only:
     parser.error('--ci and --only choose the mutations: give one of them.')
+  if args.jobs < 1:
+    parser.error(f'--jobs must be at least 1, got {args.jobs}.')
   names = {m.name for m in MUTATIONS}
   chosen = ([n for n in args.only.split(',') if n] or
             (list(CI_SUBSET) if args.ci else [m.name for m in MUTATIONS]))
@@ -261,27 +291,8 @@ def main() -> int:
     print(f'{control.name}: {result} ({seconds:.0f} s)', flush=True)
     if outcome != 'passed':
       return 1
-  rows = []
-  for mutation in selected:
-    with tempfile.TemporaryDirectory(prefix='capsjax-mutant-') as scratch:
-      root = os.path.join(scratch, 'main')
-      copy_tree(root)
-      apply(mutation, root)
-      outcome, failed, seconds = run_tests(mutation, root)
-      crash = ''
-      if outcome.startswith('error: pytest exit status -'):
-        # A process killed by a signal is run once more, so that one crash
-        # at exit (seen once, after the summary had reported the failure)
-        # does not decide the outcome; the row still names the crash.
-        crash = f'; the first run: {outcome[len("error: "):]}'
-        outcome, failed, more = run_tests(mutation, root)
-        seconds += more
-    result = {'failed': 'caught', 'passed': 'SURVIVED'}.get(outcome,
-                                                           outcome.upper())
-    result += crash
-    rows.append((mutation, result, failed, seconds))
-    print(f'{mutation.name}: {result} ({seconds:.0f} s) {" ".join(failed)}',
-          flush=True)
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    rows = list(pool.map(check, selected))
   print('\n| mutation | file | tests run | result | first failing test |')
   print('|---|---|---|---|---|')
   for mutation, result, failed, seconds in rows:
