@@ -1047,23 +1047,22 @@ def test_fashion_mnist_as_a_folder_matches_the_built_in_reader(tmp_path):
   arrays = tmp_path / 'fashion_test.npz'
   np.savez(arrays, x_train=test.images, y_train=test.labels,
            class_names=np.array(names))
-  # 200 steps of the smoke config (its 600 would take most of CI's budget):
-  # both runs alike, each in about 40 s here.
-  flags = ['--config=experiments/configs/own_images.py:smoke',
-           '--config.image_size=28', '--config.num_train_steps=200',
-           '--config.eval_every_steps=200']
-  summaries, sources = {}, {}
+  # 200 steps of the smoke config on the folder (its 600 would take most of
+  # CI's budget): about 40 s here.
+  workdir = tmp_path / 'folder'
+  out = _command(workdir, '--config=experiments/configs/own_images.py:smoke',
+                 '--config.image_size=28', '--config.num_train_steps=200',
+                 '--config.eval_every_steps=200', f'--config.images={folder}',
+                 full_speed=True)
+  assert out.returncode == 0, out.stdout + out.stderr
+  summary = json.load(open(workdir / 'summary.json'))
+  sources = {}
   for source, path in (('folder', folder), ('built-in', arrays)):
-    workdir = tmp_path / source
-    out = _command(workdir, *flags, f'--config.images={path}',
-                   full_speed=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    summaries[source] = json.load(open(workdir / 'summary.json'))
     config = own_images_config.get_config('smoke')
     config.images, config.image_size = str(path), 28
-    sources[source] = own_images.load_own_images(config, str(workdir),
-                                                 say=lambda _: None)[1]
-    assert sources[source].report['cached']  # the run's cache, read back
+    sources[source] = own_images.load_own_images(
+        config, str(tmp_path / source), say=lambda _: None)[1]
+  assert sources['folder'].report['cached']  # the run's cache, read back
   # The same images: per class, the same count and the same pixel sum.
   folder_sums, builtin_sums = (_pixel_sums(sources[s]) for s in
                                ('folder', 'built-in'))
@@ -1071,11 +1070,7 @@ def test_fashion_mnist_as_a_folder_matches_the_built_in_reader(tmp_path):
   assert sum(n for n, _ in folder_sums.values()) == 10_000
   assert sources['folder'].class_names == tuple(sorted(names))
   assert sources['built-in'].class_names == names
-  # The same accuracy within noise: 2,000 test images each, drawn by the same
-  # seed from a different order, so different images and training batches.
-  accuracies = [summaries[s]['test']['accuracy'] for s in summaries]
-  p = np.mean(accuracies)
-  noise = np.sqrt(2 * p * (1 - p) / 2000)
-  print(json.dumps({s: summaries[s]['test'] for s in summaries}, indent=1))
-  assert min(accuracies) > 0.6, accuracies
-  assert abs(accuracies[0] - accuracies[1]) < 4 * noise + 0.01, accuracies
+  # The run learned from the folder: on its 2,000 held-out test images a
+  # label that did not come with its image would leave chance, 10%.
+  print(json.dumps(summary['test'], indent=1))
+  assert summary['test']['accuracy'] > 0.6, summary['test']
