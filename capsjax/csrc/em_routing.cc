@@ -101,7 +101,7 @@ struct Scratch {
   std::vector<T> g_mu, g_lv, g_mu_prev, g_var, g_mu_new, g_s, g_mu_e;  // [D, O]
   std::vector<T> g_logit, g_m, g_cost, sum_g_num;  // [O]
   std::vector<T> g_q, g_n, g_log_r;   // [I, O]
-  // Gradients summed over this worker's windows.
+  // Gradients summed over the windows of the chunk this worker is running.
   std::vector<T> grad_w;              // [I, 4 (q), 4 (r), O], w transposed
   std::vector<T> grad_beta_u, grad_beta_a, grad_lambdas;  // [O], [O], [T]
 
@@ -521,36 +521,64 @@ void Backward(const Options& opt, const T* x, const T* a, const T* wt,
 }
 
 // Runs body(scratch slot, window) for windows 0..n-1 on the caller and on
-// XLA's intra-op thread pool. A task that starts after every window has
-// been claimed returns without touching anything but the shared counters,
-// so the caller may return as soon as every claimed window is done.
-template <typename F>
-void ForEachWindow(ffi::ThreadPool& pool, int64_t n, int64_t workers,
-                   const F& body) {
+// XLA's intra-op thread pool, in chunks of ``chunk`` consecutive windows
+// claimed in order. With ``kInOrder``, after_chunk(slot, c) then runs for
+// chunks c = 0, 1, 2, ... one at a time in that order (a worker that
+// finished chunk c waits for chunk c-1's), so that what it adds up does not
+// depend on which thread ran which chunk. A task that starts after every
+// chunk has been claimed returns without touching anything but the shared
+// counters, so the caller may return as soon as every claimed chunk is done.
+template <bool kInOrder, typename F, typename G>
+void ForEachChunk(ffi::ThreadPool& pool, int64_t n, int64_t chunk,
+                  int64_t workers, const F& body, const G& after_chunk) {
   struct Counters {
     std::atomic<int64_t> next{0}, done{0};
     std::atomic<int64_t> slots{0};
   };
+  const int64_t chunks = (n + chunk - 1) / chunk;
   auto counters = std::make_shared<Counters>();
-  auto work = [counters, n, &body]() {
-    int64_t k = counters->next.fetch_add(1);
-    if (k >= n) return;
+  auto work = [counters, n, chunk, chunks, &body, &after_chunk]() {
+    int64_t c = counters->next.fetch_add(1);
+    if (c >= chunks) return;
     const int64_t slot = counters->slots.fetch_add(1);
-    for (; k < n; k = counters->next.fetch_add(1)) {
-      body(slot, k);
+    for (; c < chunks; c = counters->next.fetch_add(1)) {
+      for (int64_t k = c * chunk; k < std::min(n, (c + 1) * chunk); ++k)
+        body(slot, k);
+      if constexpr (kInOrder) {
+        while (counters->done.load(std::memory_order_acquire) < c) {
+          std::this_thread::yield();
+        }
+        after_chunk(slot, c);
+      }
       counters->done.fetch_add(1, std::memory_order_release);
     }
   };
   for (int64_t t = 1; t < workers; ++t) pool.Schedule([work] { work(); });
   work();
-  while (counters->done.load(std::memory_order_acquire) < n) {
+  while (counters->done.load(std::memory_order_acquire) < chunks) {
     std::this_thread::yield();
   }
+}
+
+template <typename F>
+void ForEachWindow(ffi::ThreadPool& pool, int64_t n, int64_t workers,
+                   const F& body) {
+  ForEachChunk<false>(pool, n, 1, workers, body, [](int64_t, int64_t) {});
 }
 
 int64_t Workers(ffi::ThreadPool& pool, int64_t n) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   return std::max<int64_t>(1, std::min(threads, n));
+}
+
+// Windows per chunk of the backward pass: at most kGradientChunks chunks,
+// a number that does not depend on the machine's threads (it fixes the
+// order of the sums), enough to keep them busy, and large enough that a
+// chunk's sum (I * O * 16 additions) stays small beside its windows' work.
+constexpr int64_t kGradientChunks = 64;
+
+int64_t GradientChunk(int64_t n) {
+  return std::max<int64_t>(1, (n + kGradientChunks - 1) / kGradientChunks);
 }
 
 Options ReadOptions(int64_t iterations, int64_t authors_form,
@@ -664,34 +692,43 @@ void RunBackward(ffi::ThreadPool& pool, const Options& opt,
           *lp = in(lam), *gp = in(g_pose), *gac = in(g_act),
           *gas = in(g_assign);
   T *gxp = out(g_x), *gap = out(g_a);
-  const int64_t workers = Workers(pool, n);
+  const int64_t chunk = GradientChunk(n);
+  const int64_t workers = Workers(pool, (n + chunk - 1) / chunk);
   std::vector<std::unique_ptr<Scratch<T>>> scratch(workers);
   for (auto& sc : scratch)
     sc = std::make_unique<Scratch<T>>(I, O, iters, true);
   const std::vector<T> wt = TransformsParentsLast(wp, I, O);
-  ForEachWindow(pool, n, workers, [&](int64_t slot, int64_t k) {
-    Backward(opt, xp + k * I * kDim, ap + k * I, wt.data(), bup, bap, lp,
-             gp + k * O * kDim, gac + k * O, gas + k * I * O,
-             gxp + k * I * kDim, gap + k * I, *scratch[slot]);
-  });
-  // The shared parameters' gradients: the workers' sums added up.
-  auto reduce = [&](T* dst, std::vector<T> Scratch<T>::*field, int64_t size) {
-    std::fill(dst, dst + size, T(0));
-    for (auto& sc : scratch) {
-      const std::vector<T>& v = (*sc).*field;
-      for (int64_t k = 0; k < size; ++k) dst[k] += v[k];
-    }
+  // The shared parameters' gradients: each chunk's windows summed in a
+  // worker's scratch, the chunks' sums then added in chunk order, so that
+  // the result is the same bit for bit on every call and thread count.
+  std::vector<T> g_wt(I * kDim * O, T(0)), g_beta_u(O, T(0)),
+      g_beta_a(O, T(0)), g_lambdas(iters, T(0));
+  auto add_and_clear = [](std::vector<T>& sum, std::vector<T>& part) {
+    for (size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+    std::fill(part.begin(), part.end(), T(0));
   };
-  std::vector<T> g_wt(I * kDim * O);
-  reduce(g_wt.data(), &Scratch<T>::grad_w, I * O * kDim);
+  ForEachChunk<true>(
+      pool, n, chunk, workers,
+      [&](int64_t slot, int64_t k) {
+        Backward(opt, xp + k * I * kDim, ap + k * I, wt.data(), bup, bap, lp,
+                 gp + k * O * kDim, gac + k * O, gas + k * I * O,
+                 gxp + k * I * kDim, gap + k * I, *scratch[slot]);
+      },
+      [&](int64_t slot, int64_t) {
+        Scratch<T>& s = *scratch[slot];
+        add_and_clear(g_wt, s.grad_w);
+        add_and_clear(g_beta_u, s.grad_beta_u);
+        add_and_clear(g_beta_a, s.grad_beta_a);
+        add_and_clear(g_lambdas, s.grad_lambdas);
+      });
   T* gw = out(g_w);
   for (int64_t i = 0; i < I; ++i)
     for (int64_t o = 0; o < O; ++o)
       for (int64_t d = 0; d < kDim; ++d)
         gw[(i * O + o) * kDim + d] = g_wt[(i * kDim + d) * O + o];
-  reduce(out(g_bu), &Scratch<T>::grad_beta_u, O);
-  reduce(out(g_ba), &Scratch<T>::grad_beta_a, O);
-  reduce(out(g_lam), &Scratch<T>::grad_lambdas, iters);
+  std::copy(g_beta_u.begin(), g_beta_u.end(), out(g_bu));
+  std::copy(g_beta_a.begin(), g_beta_a.end(), out(g_ba));
+  std::copy(g_lambdas.begin(), g_lambdas.end(), out(g_lam));
 }
 
 ffi::Error EmForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
