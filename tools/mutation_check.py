@@ -19,8 +19,7 @@ same tree (CI runs the whole suite first).
 mostly compiling on one core). ``--ci`` is the subset CI runs: one
 mutation for each of the losses, the data pipeline, each family's train
 step, resume and the routing. Exit status 1 if the control failed or any
-mutation survived or errored. Nothing in the
-working tree is modified.
+mutation survived or errored. Nothing in the working tree is modified.
 """
 
 from __future__ import annotations
