@@ -701,10 +701,13 @@ void RunBackward(ffi::ThreadPool& pool, const Options& opt,
   // The shared parameters' gradients: each chunk's windows summed in a
   // worker's scratch, the chunks' sums then added in chunk order, so that
   // the result is the same bit for bit on every call and thread count.
-  std::vector<T> g_wt(I * kDim * O, T(0)), g_beta_u(O, T(0)),
-      g_beta_a(O, T(0)), g_lambdas(iters, T(0));
-  auto add_and_clear = [](std::vector<T>& sum, std::vector<T>& part) {
-    for (size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+  std::vector<T> g_wt(I * kDim * O, T(0));
+  T *gbu = out(g_bu), *gba = out(g_ba), *glam = out(g_lam);
+  std::fill(gbu, gbu + O, T(0));
+  std::fill(gba, gba + O, T(0));
+  std::fill(glam, glam + iters, T(0));
+  auto add_and_clear = [](T* sum, std::vector<T>& part) {
+    for (size_t k = 0; k < part.size(); ++k) sum[k] += part[k];
     std::fill(part.begin(), part.end(), T(0));
   };
   ForEachChunk<true>(
@@ -716,19 +719,16 @@ void RunBackward(ffi::ThreadPool& pool, const Options& opt,
       },
       [&](int64_t slot, int64_t) {
         Scratch<T>& s = *scratch[slot];
-        add_and_clear(g_wt, s.grad_w);
-        add_and_clear(g_beta_u, s.grad_beta_u);
-        add_and_clear(g_beta_a, s.grad_beta_a);
-        add_and_clear(g_lambdas, s.grad_lambdas);
+        add_and_clear(g_wt.data(), s.grad_w);
+        add_and_clear(gbu, s.grad_beta_u);
+        add_and_clear(gba, s.grad_beta_a);
+        add_and_clear(glam, s.grad_lambdas);
       });
   T* gw = out(g_w);
   for (int64_t i = 0; i < I; ++i)
     for (int64_t o = 0; o < O; ++o)
       for (int64_t d = 0; d < kDim; ++d)
         gw[(i * O + o) * kDim + d] = g_wt[(i * kDim + d) * O + o];
-  std::copy(g_beta_u.begin(), g_beta_u.end(), out(g_bu));
-  std::copy(g_beta_a.begin(), g_beta_a.end(), out(g_ba));
-  std::copy(g_lambdas.begin(), g_lambdas.end(), out(g_lam));
 }
 
 ffi::Error EmForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
