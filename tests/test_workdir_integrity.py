@@ -524,9 +524,8 @@ def test_a_second_training_process_exits_2_naming_the_first(tmp_path,
     # publishes checkpoints. Any of them, not step 2's: with its programs
     # in the compilation cache the first can be past step 2, and that
     # checkpoint already rotated out, before the second has exited.
-    published = workdir / 'checkpoints'
-    _wait_until(lambda: published.is_dir() and any(
-        d.isdigit() for d in os.listdir(published)), first)
+    _wait_until(lambda: checkpoints.Checkpointer.exists(
+        str(workdir / 'checkpoints')), first)
   finally:
     first.send_signal(signal.SIGTERM)
     out, _ = first.communicate(timeout=240)
