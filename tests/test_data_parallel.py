@@ -1,11 +1,13 @@
-"""Data parallelism: 1, 2, 4 and 8 forced CPU devices train the same model,
+"""Data parallelism: 1, 2 and 8 forced CPU devices train the same model,
 and so do two processes joined by ``--distributed``.
 
 Both training loops run a few steps of a tiny CapsNet and a tiny matrix-capsule
-model with ``num_devices`` = 1, 2, 4, 8 on one process with 8 forced host
-devices. The batch is split over the devices and the gradients are reduced
-across them, so only the summation order differs: the results must agree to
-float32 rounding, not bit for bit.
+model with ``num_devices`` = 1, 2, 8 on one process with 8 forced host
+devices (2 splits the batch and reduces the gradients; 8 leaves two images
+per device; 4 would cost a third compilation and test nothing more). The
+batch is split over the devices and the gradients are reduced across them,
+so only the summation order differs: the results must agree to float32
+rounding, not bit for bit.
 """
 
 import json
@@ -48,7 +50,7 @@ base.update(json.loads(settings))
 base.data_dir = data_dir
 
 params, losses, curves = {}, {}, {}
-for n in (1, 2, 4, 8):
+for n in (1, 2, 8):
   config = base.copy_and_resolve_references()
   config.num_devices = n
   summary = train.train_and_evaluate(config, f'{workdir}/{n}')
@@ -67,7 +69,7 @@ init = [np.asarray(x) for x in jax.tree.leaves(
 print(json.dumps({
     'max_param_diff': {n: max(float(np.max(np.abs(a - b))) for a, b in
                               zip(params[1], params[n], strict=True))
-                       for n in (2, 4, 8)},
+                       for n in (2, 8)},
     'max_param': scale,
     'trained_minus_init': max(float(np.max(np.abs(a - b))) for a, b in
                               zip(params[1], init, strict=True)),
@@ -85,7 +87,7 @@ def _assert_same_training(result, param_tolerance):
   weight), far less than training moved them."""
   curves = result['train_loss_and_grad_norm']
   assert len(curves['1']) == _STEPS['num_train_steps'], result
-  for n in ('2', '4', '8'):
+  for n in ('2', '8'):
     # The first step starts from the same weights: rounding only. Later
     # steps also inherit the weights' differences.
     np.testing.assert_allclose(curves[n][0], curves['1'][0], rtol=1e-5,
@@ -100,7 +102,7 @@ def _assert_same_training(result, param_tolerance):
     assert diff < tolerance, (n, result)
 
 
-def _train_on_1_2_4_8_devices(tmp_path, family, options, settings):
+def _train_on_1_2_8_devices(tmp_path, family, options, settings):
   data_dir = str(tmp_path / 'data')
   write_tiny_mnist(data_dir, num_train=160, num_test=32)
   out = subprocess.run(
@@ -117,13 +119,13 @@ _STEPS = dict(TINY, batch_size=16, num_train_steps=4, eval_every_steps=4,
               checkpoint_every_steps=4, validation_size=32, eval_batch_size=32)
 
 
-def test_capsnet_trains_identically_on_1_2_4_8_devices(tmp_path):
-  _assert_same_training(_train_on_1_2_4_8_devices(
+def test_capsnet_trains_identically_on_1_2_8_devices(tmp_path):
+  _assert_same_training(_train_on_1_2_8_devices(
       tmp_path, 'capsnet', TINY_OPTIONS, _STEPS), param_tolerance=1e-5)
 
 
-def test_matrix_capsnet_trains_identically_on_1_2_4_8_devices(tmp_path):
-  _assert_same_training(_train_on_1_2_4_8_devices(
+def test_matrix_capsnet_trains_identically_on_1_2_8_devices(tmp_path):
+  _assert_same_training(_train_on_1_2_8_devices(
       # Two iterations (the smoke config routes once): the E-step too.
       tmp_path, 'matrix_capsnet', dict(A=8, B=4, C=4, D=4, num_iterations=2),
       _STEPS),

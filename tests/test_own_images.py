@@ -1047,12 +1047,13 @@ def test_fashion_mnist_as_a_folder_matches_the_built_in_reader(tmp_path):
   arrays = tmp_path / 'fashion_test.npz'
   np.savez(arrays, x_train=test.images, y_train=test.labels,
            class_names=np.array(names))
-  # 200 steps of the smoke config on the folder (its 600 would take most of
-  # CI's budget): about 40 s here.
+  # 100 steps of the smoke config on the folder (its 600 would take most of
+  # CI's budget) reach 76.6% test accuracy (200 steps: 79.0%), far from
+  # the 10% of labels that did not come with their images.
   workdir = tmp_path / 'folder'
   out = _command(workdir, '--config=experiments/configs/own_images.py:smoke',
-                 '--config.image_size=28', '--config.num_train_steps=200',
-                 '--config.eval_every_steps=200', f'--config.images={folder}',
+                 '--config.image_size=28', '--config.num_train_steps=100',
+                 '--config.eval_every_steps=100', f'--config.images={folder}',
                  full_speed=True)
   assert out.returncode == 0, out.stdout + out.stderr
   summary = json.load(open(workdir / 'summary.json'))
