@@ -26,9 +26,6 @@ from typing import Any
 import ml_collections
 from absl import flags
 
-from capsjax import figures
-from capsjax import training
-from capsjax.evaluators import adversarial as adversarial_evaluator
 from experiments import launcher
 
 _MODELS = flags.DEFINE_list(
@@ -47,6 +44,8 @@ def attack_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def attack_workdir(config: ml_collections.ConfigDict, model_workdir: str
                    ) -> dict[str, Any]:
   """Attack the model trained in ``model_workdir``; one row of the summary."""
+  from capsjax import training  # imports jax: after the flags
+  from capsjax.evaluators import adversarial as adversarial_evaluator
   context = training.load_context(model_workdir,
                                   data_dir=config.data_dir or None)
   row = adversarial_evaluator.evaluate(context, **attack_options(config))  # checks too
@@ -73,6 +72,9 @@ def _names(rows: Sequence[dict[str, Any]]) -> list[str]:
 def run(config: ml_collections.ConfigDict, workdir: str,
         model_workdirs: Sequence[str] = ()) -> dict[str, Any]:
   """Train ``config.train``, attack it and ``model_workdirs``; summarise."""
+  from capsjax import figures  # imports jax: after the flags
+  from capsjax import training
+  from capsjax.evaluators import adversarial as adversarial_evaluator
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   for path in model_workdirs:  # fail before training anything

@@ -16,16 +16,9 @@ import copy
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
-from capsjax import data as data_lib
-from capsjax import figures
-from capsjax import training
-from capsjax.data.affnist import IMAGE_SIZE as AFFNIST_SIZE
-from capsjax.evaluators import affine
 from experiments import launcher
 
 # Accuracies the paper reports (section 5.2).
@@ -50,6 +43,7 @@ def run_config(config: ml_collections.ConfigDict,
                run: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """One model's training config: its own keys, the shared data directory
   and the affine test sets."""
+  from capsjax.data.affnist import IMAGE_SIZE as AFFNIST_SIZE  # after flags
   run = copy.deepcopy(run)
   if config.data_dir:
     run.data_dir = config.data_dir
@@ -60,11 +54,6 @@ def run_config(config: ml_collections.ConfigDict,
   with run.unlocked():
     run.evals = affine_evals(config)
   return run
-
-
-@nnx.jit
-def _scores(model: nnx.Module, images):
-  return model(images, train=False)['class_scores']
 
 
 def reach_accuracy(target: float):
@@ -107,6 +96,14 @@ def _model_record(name: str, summary: dict[str, Any],
 def run_affnist(config: ml_collections.ConfigDict, workdir: str
                 ) -> dict[str, Any]:
   """Train both models, test on affNIST, write the summary and the figure."""
+  from flax import nnx  # imports jax: after the flags
+
+  from capsjax import data as data_lib
+  from capsjax import figures
+  from capsjax import training
+  from capsjax.evaluators import affine
+  scores_of = nnx.jit(lambda model, images: model(images, train=False)[
+      'class_scores'])
   workdir = os.path.abspath(workdir)
   runs = {'capsnet': run_config(config, config.capsnet),
           'baseline_cnn': run_config(config, config.baseline)}
@@ -136,8 +133,8 @@ def run_affnist(config: ml_collections.ConfigDict, workdir: str
     predictions = {}
     for name in _NAMES:
       model = training.load_trained_model(os.path.join(workdir, name))
-      scores = _scores(model, data_lib.to_float(examples.images[:count]))
-      predictions[name] = np.asarray(jnp.argmax(scores, -1))
+      scores = scores_of(model, data_lib.to_float(examples.images[:count]))
+      predictions[name] = np.asarray(scores).argmax(-1)
     figures.affnist_figure(examples.images[:count], examples.labels[:count],
                            predictions, figure)
 

@@ -18,8 +18,6 @@ from typing import Any
 
 import ml_collections
 
-from capsjax import training
-from capsjax.evaluators import ensemble
 from experiments import launcher
 
 # Sabour et al. 2017, section 7.
@@ -47,6 +45,8 @@ def member_config(config: ml_collections.ConfigDict, index: int
 def run_ensemble(config: ml_collections.ConfigDict, workdir: str
                  ) -> dict[str, Any]:
   """Train every model, test their ensemble, write the summary."""
+  from capsjax import training  # imports jax: after the flags
+  from capsjax.evaluators import ensemble
   workdir = os.path.abspath(workdir)
   members = member_workdirs(config, workdir)
   summaries = []

@@ -20,8 +20,6 @@ stops with one line naming the process that holds it, if any.
 from absl import app
 from absl import flags
 
-from capsjax import evaluators
-from capsjax import training
 from experiments import launcher
 
 _WORKDIR = flags.DEFINE_string(
@@ -45,6 +43,8 @@ def make_figures() -> None:
 
 
 def _make_figures() -> None:
+  from capsjax import evaluators  # imports jax: after the flags
+  from capsjax import training
   context = training.load_context(_WORKDIR.value, _WHICH.value,
                                   _DATA_DIR.value)
   paths = evaluators.get('reconstructions').evaluate(

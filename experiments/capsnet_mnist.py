@@ -11,8 +11,14 @@ summary (validation and test accuracy, steps, wall time, images/s) is
 written to WORKDIR/summary.json; TensorBoard logs to WORKDIR/tensorboard.
 """
 
-from capsjax import training
 from experiments import launcher
 
+
+def train(config, workdir: str) -> dict:
+  """``training.train``, imported once the flags are read."""
+  from capsjax import training  # imports jax: after the flags
+  return training.train(config, workdir)
+
+
 if __name__ == '__main__':
-  launcher.run(training.train, 'capsnet_mnist.py')
+  launcher.run(train, 'capsnet_mnist.py')

@@ -9,8 +9,14 @@ Rerunning with the same --workdir resumes from the last checkpoint; the
 summary goes to WORKDIR/summary.json, TensorBoard logs to WORKDIR/tensorboard.
 """
 
-from capsjax import training
 from experiments import launcher
 
+
+def train(config, workdir: str) -> dict:
+  """``training.train``, imported once the flags are read."""
+  from capsjax import training  # imports jax: after the flags
+  return training.train(config, workdir)
+
+
 if __name__ == '__main__':
-  launcher.run(training.train, 'matrix_capsnet_mnist.py')
+  launcher.run(train, 'matrix_capsnet_mnist.py')

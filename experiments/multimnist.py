@@ -17,7 +17,6 @@ from typing import Any
 
 import ml_collections
 
-from capsjax import training
 from experiments import launcher
 
 # Test errors the paper reports (mean of 3 runs; section 6).
@@ -27,6 +26,7 @@ PAPER_MULTIMNIST_ERROR = {'capsnet': 0.052, 'baseline_cnn': 0.081}
 def run_multimnist(config: ml_collections.ConfigDict, workdir: str
                    ) -> dict[str, Any]:
   """Train on MultiMNIST, write multimnist_summary.json."""
+  from capsjax import training  # imports jax: after the flags
   if config.dataset != 'multimnist':
     raise ValueError(f"config.dataset must be 'multimnist', got "
                      f'{config.dataset!r}.')

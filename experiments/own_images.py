@@ -18,8 +18,6 @@ import sys
 
 from absl import flags
 
-from capsjax import training
-from capsjax.training import own_images
 from experiments import launcher
 
 _PREDICT = flags.DEFINE_multi_string(
@@ -61,6 +59,8 @@ def _check_trained(workdir: str) -> None:
 
 def _predict(workdir: str, paths: list[str]) -> None:
   _check_trained(workdir)
+  from capsjax import training  # imports jax: after the flags
+  from capsjax.training import own_images
   context = training.load_context(workdir)
   say = lambda line: print(line, file=sys.stderr)  # noqa: E731
   predictions = training.predict(context, paths, say=say)
@@ -74,6 +74,7 @@ def main(config, workdir: str) -> None:
   if _PREDICT.value:
     _predict(workdir, _PREDICT.value)
     return
+  from capsjax import training  # imports jax: after the flags
   _report(training.train(config, workdir))
 
 

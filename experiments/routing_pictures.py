@@ -17,8 +17,6 @@ stops with one line naming the process that holds it, if any.
 from absl import app
 from absl import flags
 
-from capsjax import evaluators
-from capsjax import training
 from experiments import launcher
 
 _WORKDIR = flags.DEFINE_string(
@@ -39,6 +37,8 @@ def draw_routing() -> None:
 
 
 def _draw_routing() -> None:
+  from capsjax import evaluators  # imports jax: after the flags
+  from capsjax import training
   context = training.load_context(_WORKDIR.value, _WHICH.value,
                                   _DATA_DIR.value)
   picture = evaluators.get('routing_picture').evaluate(

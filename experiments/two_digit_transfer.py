@@ -15,17 +15,19 @@ WORKDIR/pairs.png, pairs_side_by_side.png. Config keys: see the config
 file's docstring.
 """
 
+from __future__ import annotations
+
 import math
 import os
+from typing import TYPE_CHECKING
 from typing import Any
 
 import ml_collections
 
-from capsjax import data as data_lib
-from capsjax import figures
-from capsjax import training
-from capsjax.evaluators import two_digit_transfer
 from experiments import launcher
+
+if TYPE_CHECKING:
+  from capsjax import data as data_lib
 
 # Su's numbers (his capsule post and bojone/Capsule): normal MNIST test accuracy,
 # accuracy 1 and 2 on stacked pairs.
@@ -101,6 +103,7 @@ def _run_record(run: dict[str, Any]) -> dict[str, Any]:
 def blank_field_counts(test: data_lib.Split, seed: int) -> dict[str, Any]:
   """Per layout: mean blank windows of Su's trunk per pair image and the
   fraction of pairs with at least one (``data.blank_fields``)."""
+  from capsjax import data as data_lib  # imports jax: after the flags
   out = {}
   for layout in data_lib.PAIR_LAYOUTS:
     pairs = data_lib.digit_pairs(test.images, test.labels, seed, layout)
@@ -115,6 +118,10 @@ def _figures(config, workdir: str, test: data_lib.Split, seed: int
              ) -> dict[str, str]:
   """The first ``figure_pairs`` pairs in each layout, each run's top two
   scores under them, blank windows dotted."""
+  from capsjax import data as data_lib  # imports jax: after the flags
+  from capsjax import figures
+  from capsjax import training
+  from capsjax.evaluators import two_digit_transfer
   trained = {name: training.load_trained_model(os.path.join(workdir, name))
              for name in config.models}
   paths = {}
@@ -140,6 +147,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   pair accuracies under 'evals'). Writes ``workdir/summary.json`` and the
   pair figures; returns the summary.
   """
+  from capsjax import data as data_lib  # imports jax: after the flags
+  from capsjax import training
   _check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
