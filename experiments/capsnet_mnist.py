@@ -13,12 +13,5 @@ written to WORKDIR/summary.json; TensorBoard logs to WORKDIR/tensorboard.
 
 from experiments import launcher
 
-
-def train(config, workdir: str) -> dict:
-  """``training.train``, imported once the flags are read."""
-  from capsjax import training  # imports jax: after the flags
-  return training.train(config, workdir)
-
-
 if __name__ == '__main__':
-  launcher.run(train, 'capsnet_mnist.py')
+  launcher.run(launcher.train, 'capsnet_mnist.py')

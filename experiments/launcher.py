@@ -316,6 +316,13 @@ def command_name() -> str:
   return f'experiments.{name}' if name and name != '-c' else 'a capsjax run'
 
 
+def train(config, workdir: str) -> dict:
+  """``capsjax.training.train``, imported once the flags are read: what
+  ``run`` runs for an experiment that is one training run."""
+  from capsjax import training  # imports jax: after the flags
+  return training.train(config, workdir)
+
+
 def run(train_and_evaluate: Callable, default_config: str, *,
         workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
         'and summary.json; rerun with the same one to resume.',

@@ -11,12 +11,5 @@ summary goes to WORKDIR/summary.json, TensorBoard logs to WORKDIR/tensorboard.
 
 from experiments import launcher
 
-
-def train(config, workdir: str) -> dict:
-  """``training.train``, imported once the flags are read."""
-  from capsjax import training  # imports jax: after the flags
-  return training.train(config, workdir)
-
-
 if __name__ == '__main__':
-  launcher.run(train, 'matrix_capsnet_mnist.py')
+  launcher.run(launcher.train, 'matrix_capsnet_mnist.py')
