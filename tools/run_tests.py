@@ -1,0 +1,150 @@
+"""Run the whole test suite as CI does, in about two thirds of the time of
+running its parts one after the other.
+
+    python tools/run_tests.py            # what CI runs (README's test command)
+    python tools/run_tests.py --serial   # the same parts, one after another
+
+The suite has three parts:
+
+- ``timed``: the reproduction suite's smoke run (the ``alone`` marker),
+  whose CapsNet and EM models must learn within a time limit;
+- ``unit``: every other test, on two pytest-xdist workers;
+- ``avx2``: the native code's test files again, with oneDNN held to AVX2
+  and the EM kernel built for x86-64-v2, as on an AVX2-only CPU.
+
+The timed part runs at the normal priority while the other two run one
+after the other beside it, in a session of their own at ``nice`` 10. On a
+2-core machine the smoke run keeps only part of the CPU busy (each of its
+experiments starts a process and compiles, mostly on one core), so the
+others fill the rest, while its training keeps about nine tenths of the
+CPU (Linux gives a nice-0 session or thread about 10 times the share of a
+nice-10 one), and with it its time limits. The other parts' output
+comes as it is written, the timed part's once it has ended (it is kept in
+a log meanwhile); the exit status is 1 if any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NATIVE_TEST_FILES = ('tests/test_onednn.py', 'tests/test_onednn_bf16.py',
+                     'tests/test_cpu_convolutions.py',
+                     'tests/test_em_kernel.py')
+PYTEST = (sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider')
+# name -> (pytest arguments, extra environment)
+PARTS = {
+    'timed': (('-m', 'alone', '-rP', '--durations=0'), {}),
+    'unit': (('-n', '2', '-m', 'not alone', '--durations=40'), {}),
+    'avx2': (('-n', '2', '--durations=20', *NATIVE_TEST_FILES),
+             {'ONEDNN_MAX_CPU_ISA': 'AVX2',
+              'CAPSJAX_NATIVE_ARCH': 'x86-64-v2'}),
+}
+BACKGROUND_NICENESS = 10
+_STARTED: list[subprocess.Popen] = []
+
+
+def _lower_priority(niceness: int) -> None:
+  """In the child before it runs: its own session at ``niceness``. Where
+  the kernel schedules by session ("autogroup", the default of most Linux
+  distributions) a process's nice counts only against its own session, and
+  each experiment of the smoke run is a session of its own: so the nice of
+  the new session itself is set too."""
+  os.setsid()
+  try:
+    with open('/proc/self/autogroup', 'w') as f:
+      f.write(str(niceness))
+  except OSError:  # no autogroup scheduling: the process's nice is enough
+    pass
+  os.nice(niceness)
+
+
+def _start(name: str, niceness: int, log_path: str | None = None) -> tuple:
+  """Starts part ``name``: its output to the terminal as it comes, or to
+  ``log_path`` (printed by ``_finish``)."""
+  args, extra_env = PARTS[name]
+  log = open(log_path, 'w') if log_path else None
+  process = subprocess.Popen(
+      PYTEST + args, cwd=REPO, env=dict(os.environ, **extra_env), stdout=log,
+      stderr=subprocess.STDOUT if log else None,
+      preexec_fn=(lambda: _lower_priority(niceness)) if niceness else None)
+  _STARTED.append(process)
+  print(f'[{name}] started: pytest {" ".join(args)}'
+        f'{f" at nice {niceness}" if niceness else ""}'
+        f'{f", its output to {log_path}" if log else ""}', flush=True)
+  return process, log, time.monotonic()
+
+
+def _finish(name: str, started: tuple) -> int:
+  process, log, start = started
+  returncode = process.wait()
+  seconds = time.monotonic() - start
+  print(f'\n===== [{name}] exit status {returncode} in {seconds:.1f} s '
+        '=====', flush=True)
+  if log:
+    log.close()
+    with open(log.name) as f:
+      sys.stdout.write(f.read())
+    sys.stdout.flush()
+  return returncode
+
+
+def run(serial: bool, log_dir: str) -> int:
+  os.makedirs(log_dir, exist_ok=True)
+  start = time.monotonic()
+  statuses = {}
+  try:
+    _run_parts(serial, log_dir, statuses)
+  except KeyboardInterrupt:
+    # Ctrl-C reached the timed part (the terminal's process group); the
+    # others are sessions of their own.
+    for process in _STARTED:
+      if process.poll() is None and os.getpgid(process.pid) == process.pid:
+        os.killpg(process.pid, signal.SIGINT)
+    for process in _STARTED:
+      try:
+        process.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        process.kill()
+    print(f'\nInterrupted; the timed part\'s log: {log_dir}/timed.log',
+          flush=True)
+    return 130
+  print(f'\nTests finished in {time.monotonic() - start:.1f} s: ' +
+        ', '.join(f'{name} {"passed" if status == 0 else "FAILED"}'
+                  for name, status in statuses.items()) +
+        '.', flush=True)
+  return 0 if all(status == 0 for status in statuses.values()) else 1
+
+
+def _run_parts(serial: bool, log_dir: str, statuses: dict) -> None:
+  if serial:
+    for name in ('unit', 'avx2', 'timed'):
+      statuses[name] = _finish(name, _start(name, 0))
+    return
+  # The timed part's output waits in its log, so as not to interleave.
+  timed = _start('timed', 0, os.path.join(log_dir, 'timed.log'))
+  for name in ('unit', 'avx2'):
+    statuses[name] = _finish(name, _start(name, BACKGROUND_NICENESS))
+  statuses['timed'] = _finish('timed', timed)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--serial', action='store_true',
+                      help='run the parts one after another')
+  parser.add_argument('--log_dir', default=None,
+                      help='where the timed part writes its log (default: a '
+                      'new temporary directory)')
+  args = parser.parse_args()
+  return run(args.serial,
+             args.log_dir or tempfile.mkdtemp(prefix='capsjax-tests-'))
+
+
+if __name__ == '__main__':
+  sys.exit(main())
