@@ -1,5 +1,4 @@
-"""Run the whole test suite as CI does, in about two thirds of the time of
-running its parts one after the other.
+"""Run the whole test suite as CI does: its timed part beside the others.
 
     python tools/run_tests.py            # what CI runs (README's test command)
     python tools/run_tests.py --serial   # the same parts, one after another
@@ -14,11 +13,12 @@ The suite has three parts:
 
 The timed part runs at the normal priority while the other two run one
 after the other beside it, in a session of their own at ``nice`` 10. On a
-2-core machine the smoke run keeps only part of the CPU busy (each of its
-experiments starts a process and compiles, mostly on one core), so the
-others fill the rest, while its training keeps about nine tenths of the
-CPU (Linux gives a nice-0 session or thread about 10 times the share of a
-nice-10 one), and with it its time limits. The other parts' output
+2-core machine the smoke run alone keeps only part of the CPU busy (each
+of its experiments starts a process and compiles, mostly on one core); the
+others take the rest, and the smoke models' training keeps most of the CPU
+(Linux gives a nice-0 session or thread about 10 times the share of a
+nice-10 one), and with it its time limits. Side by side and one after
+another on a 2-core machine: results/ci/README.md. The other parts' output
 comes as it is written, the timed part's once it has ended (it is kept in
 a log meanwhile); the exit status is 1 if any part failed.
 """
@@ -26,6 +26,7 @@ a log meanwhile); the exit status is 1 if any part failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -105,8 +106,9 @@ def run(serial: bool, log_dir: str) -> int:
     # Ctrl-C reached the timed part (the terminal's process group); the
     # others are sessions of their own.
     for process in _STARTED:
-      if process.poll() is None and os.getpgid(process.pid) == process.pid:
-        os.killpg(process.pid, signal.SIGINT)
+      with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+        if os.getpgid(process.pid) == process.pid:
+          os.killpg(process.pid, signal.SIGINT)
     for process in _STARTED:
       try:
         process.wait(timeout=60)
