@@ -87,9 +87,9 @@ def test_the_commands_below_are_found():
 
 @pytest.mark.parametrize('module', _COMMANDS)
 def test_help_and_a_bad_flag_answer_without_importing_jax(module, tmp_path):
-  """--help and a mistyped flag are answered before JAX is imported (0.3 s
-  rather than 3 s): here a jax that cannot be imported stands first on the
-  path."""
+  """--help, a mistyped flag and a misspelt config key are answered before
+  JAX is imported (0.3 s rather than 3 s): here a jax that cannot be
+  imported stands first on the path."""
   (tmp_path / 'jax').mkdir()
   (tmp_path / 'jax' / '__init__.py').write_text(
       "raise ImportError('jax imported before the flags were read')\n")
@@ -97,7 +97,7 @@ def test_help_and_a_bad_flag_answer_without_importing_jax(module, tmp_path):
   run = lambda *args: subprocess.run(  # noqa: E731
       [sys.executable, '-m', f'experiments.{module}', *args], cwd=REPO,
       capture_output=True, text=True, timeout=120, env=env)
-  out = run('--help')
+  out = out_help = run('--help')
   # Asking for help is no failure (absl's own --help exits 1).
   assert out.returncode == 0, out.stderr
   assert '--workdir' in out.stdout, out.stdout
@@ -107,6 +107,13 @@ def test_help_and_a_bad_flag_answer_without_importing_jax(module, tmp_path):
   assert out.returncode == 2, out.stderr
   assert out.stderr == ("error: Unknown command line flag 'bogus' (see "
                         '--help)\n'), out.stderr
+  # A misspelt config key that ml_collections itself can name (affnist's
+  # batch sizes are per model, where the closest keys need capsjax).
+  if '--config' in out_help.stdout and module != 'affnist':
+    out = run(f'--workdir={tmp_path / "w"}', '--config.batch_sizee=8')
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith('error: ') and out.stderr.count('\n') == 1
+    assert 'Did you mean "batch_size"' in out.stderr, out.stderr
 
 
 def test_missing_data_is_a_clear_error(tmp_path):
