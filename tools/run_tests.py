@@ -53,7 +53,7 @@ _STARTED: list[subprocess.Popen] = []
 
 def _lower_priority(niceness: int) -> None:
   """In the child before it runs: its own session at ``niceness``. Where
-  the kernel schedules by session ("autogroup", the default of most Linux
+  the kernel schedules by session ("autogroup", the default of many Linux
   distributions) a process's nice counts only against its own session, and
   each experiment of the smoke run is a session of its own: so the nice of
   the new session itself is set too."""
