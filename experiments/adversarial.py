@@ -77,6 +77,9 @@ def run(config: ml_collections.ConfigDict, workdir: str,
   from capsjax.evaluators import adversarial as adversarial_evaluator
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  for train_config in config.train.values():  # the attacks' data, unless set
+    if config.data_dir and not train_config.data_dir:
+      train_config.data_dir = config.data_dir
   for path in model_workdirs:  # fail before training anything
     adversarial_evaluator.check(training.read_workdir_config(path),
                                 **attack_options(config))

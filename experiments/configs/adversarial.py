@@ -17,7 +17,8 @@ Keys:
                  log-odds of the class scores, for every model).
   num_examples   attack the first N test images (0: all 10,000).
   batch_size     images per attack batch.
-  data_dir       dataset directory ('' : the run's own, then the usual search).
+  data_dir       dataset directory of the attacks and of the models it
+                 trains ('' : each run's own, then the usual search).
   train          training configs by name, trained into WORKDIR/train/<name>
                  before the attack (empty: attack --models only).
 
