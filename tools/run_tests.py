@@ -48,7 +48,6 @@ PARTS = {
               'CAPSJAX_NATIVE_ARCH': 'x86-64-v2'}),
 }
 BACKGROUND_NICENESS = 19
-_STARTED: list[subprocess.Popen] = []
 
 
 def _lower_priority(niceness: int) -> None:
@@ -66,16 +65,17 @@ def _lower_priority(niceness: int) -> None:
   os.nice(niceness)
 
 
-def _start(name: str, niceness: int, log_path: str | None = None) -> tuple:
-  """Starts part ``name``: its output to the terminal as it comes, or to
-  ``log_path`` (printed by ``_finish``)."""
+def _start(name: str, niceness: int, started: list[subprocess.Popen],
+           log_path: str | None = None) -> tuple:
+  """Starts part ``name`` (appended to ``started``): its output to the
+  terminal as it comes, or to ``log_path`` (printed by ``_finish``)."""
   args, extra_env = PARTS[name]
   log = open(log_path, 'w') if log_path else None
   process = subprocess.Popen(
       PYTEST + args, cwd=REPO, env=dict(os.environ, **extra_env), stdout=log,
       stderr=subprocess.STDOUT if log else None,
       preexec_fn=(lambda: _lower_priority(niceness)) if niceness else None)
-  _STARTED.append(process)
+  started.append(process)
   print(f'[{name}] started: pytest {" ".join(args)}'
         f'{f" at nice {niceness}" if niceness else ""}'
         f'{f", its output to {log_path}" if log else ""}', flush=True)
@@ -99,17 +99,17 @@ def _finish(name: str, started: tuple) -> int:
 def run(serial: bool, log_dir: str) -> int:
   os.makedirs(log_dir, exist_ok=True)
   start = time.monotonic()
-  statuses = {}
+  statuses, started = {}, []
   try:
-    _run_parts(serial, log_dir, statuses)
+    _run_parts(serial, log_dir, statuses, started)
   except KeyboardInterrupt:
     # Ctrl-C reached the timed part (the terminal's process group); the
     # others are sessions of their own.
-    for process in _STARTED:
+    for process in started:
       with contextlib.suppress(ProcessLookupError):  # ended meanwhile
         if os.getpgid(process.pid) == process.pid:
           os.killpg(process.pid, signal.SIGINT)
-    for process in _STARTED:
+    for process in started:
       try:
         process.wait(timeout=60)
       except subprocess.TimeoutExpired:
@@ -124,15 +124,16 @@ def run(serial: bool, log_dir: str) -> int:
   return 0 if all(status == 0 for status in statuses.values()) else 1
 
 
-def _run_parts(serial: bool, log_dir: str, statuses: dict) -> None:
+def _run_parts(serial: bool, log_dir: str, statuses: dict,
+               started: list[subprocess.Popen]) -> None:
   if serial:
     for name in ('unit', 'avx2', 'timed'):
-      statuses[name] = _finish(name, _start(name, 0))
+      statuses[name] = _finish(name, _start(name, 0, started))
     return
   # The timed part's output waits in its log, so as not to interleave.
-  timed = _start('timed', 0, os.path.join(log_dir, 'timed.log'))
+  timed = _start('timed', 0, started, os.path.join(log_dir, 'timed.log'))
   for name in ('unit', 'avx2'):
-    statuses[name] = _finish(name, _start(name, BACKGROUND_NICENESS))
+    statuses[name] = _finish(name, _start(name, BACKGROUND_NICENESS, started))
   statuses['timed'] = _finish('timed', timed)
 
 
