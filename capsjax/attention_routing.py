@@ -34,6 +34,7 @@ from jax.typing import ArrayLike
 
 from capsjax.routing import NORM_EPSILON
 from capsjax.routing import UNROLL_ITERATIONS
+from capsjax.routing import check_iterations
 from capsjax.routing import floating_array
 from capsjax.routing import safe_norm
 
@@ -58,13 +59,6 @@ def _check_votes(votes: jax.Array) -> None:
   if votes.ndim < 3:
     raise ValueError(
         f'votes must be [..., in_caps, out_caps, dim], got shape {votes.shape}.')
-
-
-def _check_iterations(num_iterations: int) -> None:
-  if not isinstance(num_iterations, int) or num_iterations < 1:
-    raise ValueError(
-        f'num_iterations must be a positive int (the routing iterations are '
-        f'unrolled statically), got {num_iterations!r}.')
 
 
 def efficient_squash(s: ArrayLike, axis: int = -1, *,
@@ -213,7 +207,7 @@ def inverted_dot_product_routing(
     dtype; coupling [..., I, O] = the r that produced them (compute dtype;
     sums to 1 over O; uniform 1/O when T = 1).
   """
-  _check_iterations(num_iterations)
+  check_iterations(num_iterations)
   votes = floating_array(votes, 'votes')
   _check_votes(votes)
   if not layer_norm and (scale is not None or offset is not None):

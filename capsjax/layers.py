@@ -55,23 +55,18 @@ from capsjax.conv import CONV_IMPLS
 from capsjax.conv import conv2d
 from capsjax.conv import dot_general as conv_dot_general
 
-# The authors' released initialisation for matrix capsule layers
-# (google-research capsule_em: conv_capsule_mat / connector_capsule_mat).
-# TF truncated normals (cut at 2 std), as there.
+# The authors' initialisers of the module docstring, TF truncated normals
+# (cut at 2 std): capsule_em's conv_capsule_mat / connector_capsule_mat and
+# first convolution; the official CapsNet's variables.py.
 AUTHORS_CONV_INIT = {'transform_std': 0.3, 'transform_init': 'truncated',
                      'beta_a_init': 0.5, 'beta_u_init': 0.5}
 AUTHORS_CLASS_INIT = {'transform_std': 0.01, 'transform_init': 'truncated',
                       'beta_a_init': 1.0, 'beta_u_init': 2.0}
-# The official dynamic-routing code's initialisers (variables.py there): TF
-# truncated normals with std 0.1 for every kernel and capsule transform but
-# the first convolution's (0.05), every bias 0.1.
+AUTHORS_CONV1_INIT = {'kernel_init': nn.truncated_normal_init(0.05),
+                      'bias_init': 0.1}
 OFFICIAL_WEIGHT_STD = 0.1
 OFFICIAL_CONV1_STD = 0.05
 OFFICIAL_BIAS_INIT = 0.1
-# The released EM code's first convolution (capsule_em): truncated normal
-# std 0.05, bias 0.1.
-AUTHORS_CONV1_INIT = {'kernel_init': nn.truncated_normal_init(0.05),
-                      'bias_init': 0.1}
 _default_kernel_init = nn.lecun_normal
 
 
@@ -89,14 +84,6 @@ FORMS = ('official', 'text')
 def _check_form(form) -> None:
   if form not in FORMS:
     raise ValueError(f'form must be one of {FORMS}, got {form!r}.')
-
-
-def _check_iterations(num_iterations) -> None:
-  if (isinstance(num_iterations, bool) or not isinstance(num_iterations, int)
-      or num_iterations < 1):
-    raise ValueError(
-        f'num_iterations must be a positive int (routing iterations are '
-        f'unrolled statically), got {num_iterations!r}.')
 
 
 class Conv2D(nnx.Module):
@@ -142,6 +129,35 @@ class Conv2D(nnx.Module):
       y = self.scale * y
     if self.bias is not None:
       y = nn.add_bias(y, self.bias[...])
+    return y
+
+
+class BatchNorm(nnx.Module):
+  """Keras 2's ``BatchNormalization()`` on [B, H, W, C], TF's fused kernel
+  (``nn.batch_norm``: the running variance averages the unbiased batch
+  variance): [..., C] -> [..., C], float32 for bfloat16 x. Parameters
+  ``scale`` and ``bias``, running ``mean`` and ``var`` (``nnx.BatchStat``):
+  flax's ``nnx.BatchNorm``'s names, whose checkpoints load."""
+
+  def __init__(self, num_features: int, *, momentum: float = 0.99,
+               epsilon: float = 1e-3):
+    _check_positive_int('num_features', num_features)
+    if not (0.0 <= momentum < 1.0 and epsilon > 0.0):
+      raise ValueError(f'BatchNorm needs 0 <= momentum < 1 and epsilon > 0, '
+                       f'got momentum={momentum!r}, epsilon={epsilon!r}.')
+    self.momentum, self.epsilon = momentum, epsilon
+    self.scale = nnx.Param(jnp.ones((num_features,), jnp.float32))
+    self.bias = nnx.Param(jnp.zeros((num_features,), jnp.float32))
+    self.mean = nnx.BatchStat(jnp.zeros((num_features,), jnp.float32))
+    self.var = nnx.BatchStat(jnp.ones((num_features,), jnp.float32))
+
+  def __call__(self, x: ArrayLike, *, train: bool) -> jax.Array:
+    """``train``: by the batch's statistics, updating the running ones."""
+    y, mean, var = nn.batch_norm(
+        x, self.scale[...], self.bias[...], self.mean[...], self.var[...],
+        train=train, momentum=self.momentum, epsilon=self.epsilon)
+    if train:
+      self.mean[...], self.var[...] = mean, var
     return y
 
 
@@ -214,7 +230,7 @@ class _DynamicRoutingLayer(nnx.Module):
                    squash_constant: float, normalize_agreement: bool,
                    routing_impl: str | None, bias_shape: tuple[int, int],
                    use_bias: bool, bias_init: float) -> None:
-    _check_iterations(num_iterations)
+    routing.check_iterations(num_iterations)
     routing.check_dynamic_impl('routing_impl', routing_impl)
     self.routing_impl = routing_impl
     self.num_iterations = num_iterations

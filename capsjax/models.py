@@ -728,8 +728,10 @@ class EfficientCapsNet(nnx.Module):
   Initialisation as theirs: Keras' he_normal for the convolutions, the
   capsule transforms and the decoder's hidden layers, glorot normal for its
   output layer, glorot uniform for the depthwise kernel, zero biases and
-  priors; batch normalisation as Keras' (epsilon 1e-3, running averages
-  at ``batch_norm_momentum`` 0.99). With ``train`` it normalises by the
+  priors; batch normalisation as Keras 2's on these 4-D maps, TF's fused
+  kernel (``layers.BatchNorm``: epsilon 1e-3, running averages at
+  ``batch_norm_momentum`` 0.99, the running variance of the unbiased batch
+  variance). With ``train`` it normalises by the
   batch's statistics and updates its running averages (``nnx.BatchStat``,
   which the trainers carry as the model state); otherwise it normalises by
   those averages, which at 0.99 keep 13% of their initial values after
@@ -784,11 +786,9 @@ class EfficientCapsNet(nnx.Module):
         layers.Conv2D(a, b, k, s, kernel_init=nn.he_normal, rngs=rngs)
         for a, b, k, s in zip(sizes[:-1], sizes[1:], self.CONV_KERNELS,
                               self.CONV_STRIDES, strict=True)])
-    # Keras' BatchNormalization: two-pass batch variance, as TF's moments.
     self.norms = nnx.List([
-        nnx.BatchNorm(c, momentum=batch_norm_momentum,
-                      epsilon=self.BATCH_NORM_EPSILON,
-                      use_fast_variance=False, rngs=rngs)
+        layers.BatchNorm(c, momentum=batch_norm_momentum,
+                         epsilon=self.BATCH_NORM_EPSILON)
         for c in conv_channels])
     for conv in self.convs:
       height, width = conv.output_size(height), conv.output_size(width)
@@ -817,7 +817,7 @@ class EfficientCapsNet(nnx.Module):
     for conv, norm in zip(self.convs, self.norms, strict=True):
       y = jax.nn.relu(conv(x))
       # Its running averages stay float32 under a bfloat16 compute dtype.
-      x = norm(y, use_running_average=not train).astype(y.dtype)
+      x = norm(y, train=train).astype(y.dtype)
     primary = self.primary(x)  # [B, I, primary_dim]
     return _class_capsule_outputs(self, primary, labels, train)
 

@@ -1,5 +1,5 @@
-"""Pure helpers the layers call: initialisers, bias addition, pooling and
-depthwise convolution. Nothing here owns parameters.
+"""Pure helpers the layers call: initialisers, bias addition, pooling,
+depthwise convolution and batch normalisation. Nothing here owns parameters.
 
 Shape legend as in ``capsjax.layers``: B the batch, H x W a grid, C channels,
 K a kernel size, F features.
@@ -190,6 +190,62 @@ def depthwise_conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
       tap = window * kernel[u:u + 1, v:v + 1]  # [1, 1, 1, C]
       out = tap if out is None else out + tap
   return out
+
+
+def batch_norm(x: ArrayLike, scale: ArrayLike, offset: ArrayLike,
+               mean: ArrayLike, var: ArrayLike, *, train: bool,
+               momentum: float, epsilon: float
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Batch normalisation over every axis but the last, as TensorFlow's fused
+  kernel computes it (FusedBatchNorm, which Keras 2's BatchNormalization
+  runs on 4-D inputs).
+
+  With ``train``, x is normalised by its batch mean m and biased variance v
+  (two passes: the mean of the squared centred values), and the running
+  averages become
+
+      mean' = momentum * mean + (1 - momentum) * m
+      var'  = momentum * var + (1 - momentum) * n / (n - 1) * v
+
+  with n = the values per channel (B*H*W): the running variance takes the
+  unbiased (Bessel-corrected) batch variance, as TF's kernel does (its
+  ``rest_size_adjust``; 1 for n = 1). flax's BatchNorm and Keras 3 take the
+  biased v there. Otherwise x is normalised by (mean, var), returned as
+  they are. Either way y = (x - mu) / sqrt(sigma^2 + epsilon) * scale +
+  offset.
+
+  Args:
+    x: [..., C].
+    scale, offset, mean, var: [C].
+  Returns:
+    (y [..., C], mean' [C], var' [C]), in x's dtype promoted with the
+    statistics' and float32 (a bfloat16 x is normalised in float32); no
+    gradient flows into the running averages.
+  """
+  x = jnp.asarray(x)
+  dtype = jnp.result_type(x, scale, offset, mean, var, jnp.float32)
+  wide = x.astype(dtype)
+  mean, var = jnp.asarray(mean, dtype), jnp.asarray(var, dtype)
+  if train:
+    axes = tuple(range(wide.ndim - 1))
+    count = math.prod(wide.shape[:-1])
+    batch_mean = jnp.mean(wide, axis=axes, keepdims=True)
+    batch_var = jnp.mean(jnp.square(wide - batch_mean), axis=axes)
+    batch_mean = batch_mean.reshape(batch_var.shape)
+    bessel = count / max(count - 1, 1)
+    new_mean = jax.lax.stop_gradient(
+        momentum * mean + (1 - momentum) * batch_mean)
+    new_var = jax.lax.stop_gradient(
+        momentum * var + (1 - momentum) * bessel * batch_var)
+    mean, var = batch_mean, batch_var
+  else:
+    new_mean, new_var = mean, var
+  def spread(a):  # [C] -> x's shape: no implicit rank promotion
+    return jnp.broadcast_to(jnp.asarray(a, dtype), wide.shape)
+
+  factor = jax.lax.rsqrt(var + epsilon) * jnp.asarray(scale, dtype)
+  y = (wide - spread(mean)) * spread(factor) + spread(offset)
+  return y, new_mean, new_var
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:

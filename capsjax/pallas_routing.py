@@ -462,7 +462,7 @@ def dynamic_routing(
     (outputs [..., O, D] in the votes' dtype, coupling [..., I, O] in the
     compute dtype). Both are differentiable (first order), the coupling too.
   """
-  routing._check_iterations(num_iterations)
+  routing.check_iterations(num_iterations)
   votes = jnp.asarray(votes)
   if votes.ndim < 3:
     raise ValueError(

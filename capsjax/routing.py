@@ -73,8 +73,10 @@ def floating_array(x: ArrayLike, name: str) -> jax.Array:
   return x
 
 
-def _check_iterations(num_iterations: int) -> None:
-  if not isinstance(num_iterations, int) or num_iterations < 1:
+def check_iterations(num_iterations: int) -> None:
+  """ValueError unless a positive int (a bool is not)."""
+  if (isinstance(num_iterations, bool) or not isinstance(num_iterations, int)
+      or num_iterations < 1):
     raise ValueError(
         f'num_iterations must be a positive int (the routing iterations are '
         f'unrolled statically), got {num_iterations!r}.')
@@ -215,7 +217,7 @@ def dynamic_routing(
     the votes' dtype; coupling [..., I, O] = the c that produced ``outputs``
     (float32; sums to 1 over O unless ``leaky``).
   """
-  _check_iterations(num_iterations)
+  check_iterations(num_iterations)
   check_dynamic_impl('impl', impl)
   votes = floating_array(votes, 'votes')
   if impl == 'pallas':
@@ -277,7 +279,7 @@ def inverse_temperature_schedule(
     num_iterations: int, final: float = FINAL_INVERSE_TEMPERATURE
 ) -> tuple[float, ...]:
   """The authors' schedule lambda_t = final * (1 - 0.95^(t+1)), t = 0..T-1."""
-  _check_iterations(num_iterations)
+  check_iterations(num_iterations)
   return tuple(final * (1.0 - 0.95 ** (t + 1)) for t in range(num_iterations))
 
 
@@ -480,7 +482,7 @@ class EMRouting:
   true_stride: bool = False
 
   def __post_init__(self):
-    _check_iterations(self.num_iterations)
+    check_iterations(self.num_iterations)
     if self.activation_form not in ('paper', 'authors'):
       raise ValueError(f"activation_form must be 'paper' or 'authors', got "
                        f'{self.activation_form!r}.')

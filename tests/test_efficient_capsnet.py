@@ -116,7 +116,7 @@ def _np_authors_forward(p, images, train):
     norm = p['norms'][i]
     if train:
       mean, var = y.mean((0, 1, 2)), y.var((0, 1, 2))
-      stats.append((mean, var))
+      stats.append((mean, var, y[..., 0].size))
     else:
       mean, var = norm['mean'], norm['var']
     x = (y - mean) / np.sqrt(var + 1e-3) * norm['scale'] + norm['bias']
@@ -187,13 +187,16 @@ def test_forward_matches_float64_reference_of_the_authors_graph():
                                  **F64)
       if not train:
         continue
-      for norm, (mean, var), old in zip(model64.norms, stats,
-                                        params['norms'].values(), strict=True):
-        # Running averages at momentum 0.99 (biased batch variance).
+      for norm, (mean, var, count), old in zip(
+          model64.norms, stats, params['norms'].values(), strict=True):
+        # Running averages at momentum 0.99; the variance's is TF's fused
+        # kernel's (FusedBatchNorm, Keras 2 on 4-D inputs): the batch
+        # variance times rest_size / (rest_size - 1), rest_size = B*H*W.
         np.testing.assert_allclose(
             norm.mean[...], 0.99 * old['mean'] + 0.01 * mean, **F64)
         np.testing.assert_allclose(
-            norm.var[...], 0.99 * old['var'] + 0.01 * var, **F64)
+            norm.var[...], 0.99 * old['var'] + 0.01 * var * count / (count - 1),
+            **F64)
 
 
 @pytest.mark.parametrize('shape,k,stride,padding', [

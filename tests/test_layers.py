@@ -162,6 +162,91 @@ def test_average_pool_2x2_is_keras_average_pooling(height, width):
                              ref, rtol=1e-2, atol=1e-2)
 
 
+def np_fused_batch_norm(x, scale, offset, mean, var, train, momentum=0.99,
+                        epsilon=1e-3):
+  """float64, from TensorFlow's FusedBatchNorm CPU kernel (training: the
+  batch mean and variance over rest_size = B*H*W values per channel; the
+  running variance takes the variance times rest_size / (rest_size - 1),
+  or / 1 when rest_size is 1; inference: the given statistics)."""
+  x = np.asarray(x, np.float64)
+  if train:
+    rest = x.reshape(-1, x.shape[-1])
+    m = rest.sum(0) / len(rest)
+    v = ((rest - m) ** 2).sum(0) / len(rest)
+    adjust = len(rest) / max(len(rest) - 1, 1)
+    factor = 1 - momentum
+    new_mean = (1 - factor) * mean + factor * m
+    new_var = (1 - factor) * var + factor * adjust * v
+  else:
+    m, v, new_mean, new_var = mean, var, mean, var
+  y = (x - m) / np.sqrt(v + epsilon) * scale + offset
+  return y, new_mean, new_var
+
+
+@pytest.mark.parametrize('shape', [(2, 3, 3, 4), (1, 1, 1, 4)])
+def test_batch_norm_is_tf_fused_kernel(shape):
+  """Values, running averages and dtypes against the float64 reference;
+  finite gradients also for one value per channel (zero batch variance)."""
+  rng = np.random.default_rng(0)
+  x = 2.0 + 3.0 * rng.standard_normal(shape)
+  c = shape[-1]
+  stats = (1 + 0.3 * rng.standard_normal(c), 0.2 * rng.standard_normal(c),
+           0.5 * rng.standard_normal(c), rng.uniform(0.5, 2.0, c))
+  with jax.enable_x64(True):
+    args = tuple(map(jnp.asarray, stats))
+    for train in (True, False):
+      out = jax.jit(functools.partial(nn.batch_norm, train=train,
+                                      momentum=0.99, epsilon=1e-3))(
+                                          jnp.asarray(x), *args)
+      ref = np_fused_batch_norm(x, *stats, train)
+      for got, want in zip(out, ref, strict=True):
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(nn.batch_norm(
+        x, *args, train=True, momentum=0.99, epsilon=1e-3)[0])))(
+            jnp.asarray(x))
+    assert np.all(np.isfinite(grad))
+    if shape[0] > 1:
+      check_grads(lambda x: nn.batch_norm(
+          x, *args, train=True, momentum=0.99, epsilon=1e-3)[0],
+                  (jnp.asarray(x),), order=1, modes=['rev'])
+      # Not vacuous: flax's running variance (the biased batch variance)
+      # is over 1e-3 away on these values.
+      biased = 0.99 * stats[3] + 0.01 * x.reshape(-1, c).var(0)
+      train_ref = np_fused_batch_norm(x, *stats, True)
+      assert np.min(np.abs(train_ref[2] - biased)) > 1e-3
+  # A bfloat16 input with float32 statistics: normalised in float32.
+  low = jnp.asarray(x, jnp.bfloat16)
+  y, mean, var = nn.batch_norm(low, *(jnp.asarray(a, jnp.float32)
+                                      for a in stats),
+                               train=True, momentum=0.99, epsilon=1e-3)
+  assert y.dtype == mean.dtype == var.dtype == jnp.float32
+  ref = np_fused_batch_norm(np.asarray(low, np.float64), *stats, True)
+  for got, want in zip((y, mean, var), ref, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_norm_module_updates_its_statistics_only_in_training():
+  norm = layers.BatchNorm(3, momentum=0.9, epsilon=1e-3)
+  flax_norm = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+  # flax's names: a checkpoint of nnx.BatchNorm loads.
+  assert (jax.tree.structure(nnx.to_pure_dict(nnx.state(norm))) ==
+          jax.tree.structure(nnx.to_pure_dict(nnx.state(flax_norm))))
+  x = random_normal(0, (4, 2, 2, 3))
+  norm(x, train=False)
+  np.testing.assert_array_equal(norm.var[...], 1.0)
+  y = norm(x, train=True)
+  ref = np_fused_batch_norm(x, np.ones(3), np.zeros(3), np.zeros(3),
+                            np.ones(3), True, momentum=0.9)
+  np.testing.assert_allclose(y, ref[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(norm.mean[...], ref[1], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(norm.var[...], ref[2], rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match='momentum'):
+    layers.BatchNorm(3, momentum=1.0)
+  with pytest.raises(ValueError, match='epsilon'):
+    layers.BatchNorm(3, epsilon=0.0)
+
+
 def test_conv2d_rejects_bad_arguments():
   x, kernel = jnp.zeros((1, 8, 8, 3)), jnp.zeros((3, 3, 3, 2))
   with pytest.raises(ValueError, match='conv_impl'):
