@@ -18,8 +18,9 @@ same tree (CI runs the whole suite first).
 ``--jobs=N`` checks N mutations at a time (each is one pytest process,
 mostly compiling on one core). ``--ci`` is the subset CI runs: one
 mutation for each of the losses, the data pipeline, each family's train
-step, resume and the routing. Exit status 1 if the control failed or any
-mutation survived or errored. Nothing in the working tree is modified.
+step, resume, the EM and the attention routing and the batch
+normalisation. Exit status 1 if the control failed or any mutation
+survived or errored. Nothing in the working tree is modified.
 """
 
 from __future__ import annotations
@@ -79,6 +80,107 @@ MUTATIONS = (
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes)",
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes) / votes.shape[-3]",
         ('tests/test_routing.py',)),
+    # The attention routings.
+    Mutation(
+        'self_attention_softmax_over_inputs', 'capsjax/attention_routing.py',
+        '  coupling = jax.nn.softmax(agreement, axis=-1)\n'
+        '  if log_priors is not None:',
+        '  coupling = jax.nn.softmax(agreement, axis=-2)\n'
+        '  if log_priors is not None:',
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'self_attention_unscaled', 'capsjax/attention_routing.py',
+        "  agreement = _SUM('...iod,...od->...io', wide, total) / "
+        'math.sqrt(dim)',
+        "  agreement = _SUM('...iod,...od->...io', wide, total)",
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'self_attention_priors_in_the_logits', 'capsjax/attention_routing.py',
+        '    coupling = coupling + jnp.broadcast_to(\n'
+        '        jnp.asarray(log_priors, wide.dtype), coupling.shape)',
+        '    coupling = jax.nn.softmax(agreement + jnp.broadcast_to(\n'
+        '        jnp.asarray(log_priors, wide.dtype), coupling.shape), '
+        'axis=-1)',
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'efficient_squash_is_the_capsnet_squash',
+        'capsjax/attention_routing.py',
+        '  return (-jnp.expm1(-norm) / norm * s_wide).astype(s.dtype)',
+        '  return (norm / (1 + norm**2) * s_wide).astype(s.dtype)',
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'inverted_routing_skips_the_layer_norm',
+        'capsjax/attention_routing.py',
+        '    if not layer_norm or dim == 1:\n      return poses',
+        '    if True:\n      return poses',
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'inverted_routing_softmax_over_inputs', 'capsjax/attention_routing.py',
+        '    r = jax.nn.softmax(agreement, axis=-1)',
+        '    r = jax.nn.softmax(agreement, axis=-2)',
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'inverted_routing_skips_the_middle_iterations',
+        'capsjax/attention_routing.py',
+        '      lambda _, poses: pose_update(routing_coefficients(poses)), '
+        'poses,',
+        '      lambda _, poses: poses, poses,',
+        ('tests/test_attention_routing.py',)),
+    Mutation(
+        'layer_norm_unbiased_variance', 'capsjax/attention_routing.py',
+        '  variance = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)',
+        '  variance = jnp.sum(jnp.square(centred), axis=-1, keepdims=True) / '
+        '(wide.shape[-1] - 1)',
+        ('tests/test_attention_routing.py',)),
+    # Efficient-CapsNet's model and augmentation.
+    Mutation(
+        'efficient_primary_capsules_strided', 'capsjax/layers.py',
+        "    y = y.reshape(y.shape[0], -1, self.dim)  # [B, H'*W'*C/dim, dim]",
+        '    y = y.reshape(y.shape[0], self.dim, -1).swapaxes(1, 2)',
+        ('tests/test_efficient_capsnet.py::'
+         'test_forward_matches_float64_reference_of_the_authors_graph',)),
+    Mutation(
+        'efficient_batch_norm_before_relu', 'capsjax/models.py',
+        '      y = jax.nn.relu(conv(x))\n'
+        '      # Its running averages stay float32 under a bfloat16 compute '
+        'dtype.\n'
+        '      x = norm(y, train=train).astype(y.dtype)',
+        '      y = conv(x)\n'
+        '      x = jax.nn.relu(norm(y, train=train).astype(y.dtype))',
+        ('tests/test_efficient_capsnet.py::'
+         'test_forward_matches_float64_reference_of_the_authors_graph',)),
+    Mutation(
+        'batch_norm_biased_running_variance', 'capsjax/nn.py',
+        '    bessel = count / max(count - 1, 1)',
+        '    bessel = 1.0',
+        ('tests/test_efficient_capsnet.py::'
+         'test_forward_matches_float64_reference_of_the_authors_graph',)),
+    Mutation(
+        'batch_norm_momentum_the_wrong_way', 'capsjax/nn.py',
+        '        momentum * mean + (1 - momentum) * batch_mean)',
+        '        (1 - momentum) * mean + momentum * batch_mean)',
+        ('tests/test_efficient_capsnet.py::'
+         'test_forward_matches_float64_reference_of_the_authors_graph',)),
+    Mutation(
+        'efficient_rotation_the_wrong_way', 'capsjax/data/augment.py',
+        '    alpha, beta = np.cos(np.deg2rad(degrees)), '
+        'np.sin(np.deg2rad(degrees))',
+        '    alpha, beta = np.cos(np.deg2rad(degrees)), '
+        '-np.sin(np.deg2rad(degrees))',
+        ('tests/test_efficient_capsnet.py::'
+         'test_augmentation_steps_match_references',)),
+    Mutation(
+        'efficient_shift_short_of_the_far_margin', 'capsjax/data/augment.py',
+        '    forth = jnp.floor(a * (1 + after).astype(jnp.float32))',
+        '    forth = jnp.floor(a * after.astype(jnp.float32))',
+        ('tests/test_efficient_capsnet.py::'
+         'test_augmentation_steps_match_references',)),
+    Mutation(
+        'efficient_squeeze_one_column_short', 'capsjax/data/augment.py',
+        '  removed = jnp.floor(amounts[:, 0] * (w / 4) + 1).astype(jnp.int32)',
+        '  removed = jnp.floor(amounts[:, 0] * (w / 4)).astype(jnp.int32)',
+        ('tests/test_efficient_capsnet.py::'
+         'test_augmentation_steps_match_references',)),
     # The fused EM kernel's hand-derived backward pass.
     Mutation(
         'em_kernel_drops_the_variance_gradient', 'capsjax/csrc/em_routing.cc',
@@ -150,8 +252,9 @@ MUTATIONS = (
 )
 
 # What CI runs after the suite: a mutation for each of the losses, the data
-# pipeline, each family's train step, resume and the routing, each caught by
-# one or two tests that run in seconds.
+# pipeline, each family's train step, resume, the EM and the attention
+# routing and the batch normalisation, each caught by one or two tests that
+# run in seconds.
 CI_SUBSET = (
     'official_margin_not_halved',
     'spread_loss_counts_the_target',
@@ -161,6 +264,8 @@ CI_SUBSET = (
     'two_digit_loss_weights_negatives_fully',
     'resume_from_scratch',
     'skip_e_step',
+    'self_attention_softmax_over_inputs',
+    'batch_norm_biased_running_variance',
 )
 
 
