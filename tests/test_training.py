@@ -160,6 +160,55 @@ def test_adam_step_against_numpy(epsilon):
                              rtol=1e-5, atol=1e-12)
 
 
+def np_tensorflow_adam(params, grads, rates, eps, b1=0.9, b2=0.999):
+  """float64, from TensorFlow's ApplyAdam kernel (training_ops.cc): per
+  step t = 1, 2, ...: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
+  var -= lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)."""
+  var = np.asarray(params, np.float64).copy()
+  m, v = np.zeros_like(var), np.zeros_like(var)
+  for t, (g, lr) in enumerate(zip(grads, rates, strict=True), start=1):
+    m += (g - m) * (1 - b1)
+    v += (g * g - v) * (1 - b2)
+    var -= lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
+  return var
+
+
+def test_tensorflow_adam_form_is_tf_kernel():
+  """adam_form='tensorflow' against the kernel's float64 reference over 6
+  steps of a decaying rate; the paper's form differs where |g| is near
+  eps; both forms' states have the same tree (checkpoints)."""
+  rng = np.random.default_rng(0)
+  grads = rng.standard_normal((6, 5)) * np.array([1e-6, 3e-7, 0.5, 1e-3, 2])
+  config = ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, lr_decay_steps=2, lr_decay_rate=0.5,
+      adam_epsilon=1e-7, adam_form='tensorflow'))
+  rates = [1e-3 * 0.5 ** (t / 2) for t in range(6)]
+  with jax.enable_x64(True):
+    params = jnp.asarray(rng.standard_normal(5))
+    results = {}
+    for form in state_lib.ADAM_FORMS:
+      config.adam_form = form
+      optimizer = state_lib.make_optimizer(config)
+      state, p = optimizer.init(params), params
+      for g in grads:
+        updates, state = optimizer.update(jnp.asarray(g), state, p)
+        p = optax.apply_updates(p, updates)
+      results[form] = (np.asarray(p), jax.tree.structure(state))
+  ref = np_tensorflow_adam(params, grads, rates, 1e-7)
+  # optax evaluates the schedule in float32: 1e-7 of the updates (~1e-3).
+  np.testing.assert_allclose(results['tensorflow'][0], ref, rtol=0,
+                             atol=1e-9)
+  assert results['tensorflow'][1] == results['paper'][1]
+  # Not vacuous: the two forms part on the gradients of order eps.
+  assert abs(results['paper'][0][0] - ref[0]) > 1e-4
+  # ... and agree where |g| >> eps (entries of order 0.5 and 2).
+  np.testing.assert_allclose(results['paper'][0][[2, 4]], ref[[2, 4]],
+                             rtol=1e-6)
+  config.adam_form = 'keras'
+  with pytest.raises(ValueError, match='adam_form'):
+    state_lib.make_optimizer(config)
+
+
 def test_progress_bar_shows_rate_and_eta_between_logs(monkeypatch):
   """Steps advance the bar before any log line: step/s, img/s and the ETA."""
   terminal = io.StringIO()
@@ -369,6 +418,7 @@ def test_really_full_disk_on_a_tiny_tmpfs(tmp_path):
     ('learning_rate', 0.0, 'a finite number > 0'),
     ('learning_rate', float('nan'), 'a finite number > 0'),
     ('lr_decay_rate', -1.0, 'a finite number > 0'),
+    ('adam_form', 'keras', "one of ('paper', 'tensorflow')"),
     ('seed', -1, 'an int >= 0'),
     ('max_shift', -2, 'an int >= 0'),
     ('max_train_seconds', -1, '> 0 (or 0: no limit)'),

@@ -15,8 +15,10 @@ from typing import Any
 import ml_collections
 
 DEFAULTS: dict[str, Any] = {
-    # Adam's epsilon (optax's).
+    # Adam's epsilon (optax's), and its form: 'paper' (Algorithm 1, optax's)
+    # or 'tensorflow' (TF's kernel: state.scale_by_tensorflow_adam).
     'adam_epsilon': 1e-8,
+    'adam_form': 'paper',
     # smallNORB training crops: 'crop_first' or 'resize_first'
     # (data.smallnorb_train_preprocess).
     'augment_order': 'crop_first',

@@ -40,6 +40,7 @@ from capsjax.training.sharding import make_mesh
 from capsjax.training.sharding import on_mesh
 from capsjax.training.sharding import replicated
 from capsjax.training.sharding import take_batch
+from capsjax.training.state import ADAM_FORMS
 from capsjax.training.state import FamilySteps
 from capsjax.training.state import count_params
 from capsjax.training.state import create_model
@@ -141,6 +142,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         isinstance(config[key], int | float) and
         np.isfinite(config[key]) and config[key] > 0):
       fail(key, 'a finite number > 0')
+  if config.adam_form not in ADAM_FORMS:
+    fail('adam_form', f'one of {ADAM_FORMS}')
   for key in ('seed', 'max_shift'):
     if key in config and (not is_int(config[key]) or config[key] < 0):
       fail(key, 'an int >= 0')
