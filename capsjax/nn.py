@@ -240,6 +240,7 @@ def batch_norm(x: ArrayLike, scale: ArrayLike, offset: ArrayLike,
     mean, var = batch_mean, batch_var
   else:
     new_mean, new_var = mean, var
+
   def spread(a):  # [C] -> x's shape: no implicit rank promotion
     return jnp.broadcast_to(jnp.asarray(a, dtype), wide.shape)
 
