@@ -5,6 +5,6 @@ YNNPACK's (``capsjax.prefer_eigen_convolutions``), set here, before any of
 them can start JAX's backend.
 """
 
-from capsjax.conv import dispatch
+from capsjax.kernels.conv import dispatch
 
 dispatch.prefer_eigen_convolutions()

@@ -8,7 +8,7 @@ Each convolution runs as a train step needs it: the forward pass, the kernel
 gradient and, unless the input is the image, the input gradient, in one
 jitted vjp. It runs with the lowering ``conv2d`` picks without the onednn
 extra (``dispatch.cpu_conv_impl``: narrow, patches, taps or
-space_to_depth), with oneDNN's convolution (``capsjax.conv.onednn``) and in
+space_to_depth), with oneDNN's convolution (``capsjax.kernels.conv.onednn``) and in
 PyTorch (NCHW tensors, as ``benchmarks/torch_models.py`` has them). The
 three are alternated in one process on 2 threads, with the host memory
 retained; each line prints the median ms per call and oneDNN's time over
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from benchmarks import timing
-from capsjax import votes as votes_lib
-from capsjax.conv import backend as conv_backend
-from capsjax.conv import dispatch
-from capsjax.conv import lowerings
+from capsjax.kernels.conv import backend as conv_backend
+from capsjax.kernels.conv import dispatch
+from capsjax.kernels.conv import lowerings
+from capsjax.routing import votes as votes_lib
 
 # (where, [H, W, C], [K, K, C, F], stride, padding)
 CONVS = [

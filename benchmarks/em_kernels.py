@@ -4,7 +4,7 @@
     python -m benchmarks.em_kernels --tiny --output=F.jsonl
     python -m benchmarks.em_kernels --ptxas=forward,backward --sm=80
 
-One jitted call of ``capsule_routing.conv_capsule_routing`` and its
+One jitted call of ``matrix_capsules.conv_capsule_routing`` and its
 gradient with respect to the poses, activations, transforms and betas, at
 the paper EM model's two conv capsule layers (smallNORB: ConvCaps1, a
 14 x 14 grid of 32 capsule types routed in 3 x 3 windows at stride 2 to 32
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernel_bench
-from capsjax import capsule_routing
-from capsjax import em_kernel
-from capsjax import pallas_em
+from capsjax.kernels import em_cpu
+from capsjax.kernels import pallas_em
+from capsjax.routing import matrix_capsules
 
 # name: (grid side, in types, out types, kernel size, stride)
 LAYERS = {'convcaps1': (14, 32, 32, 3, 2), 'convcaps2': (6, 32, 32, 3, 1)}
@@ -56,7 +56,7 @@ def routing_step(impl: str, layer: tuple[int, ...], batch: int):
                for x in (poses, acts, weights, betas[0], betas[1]))
 
   def loss(*x):
-    out_poses, out_acts, _ = capsule_routing.conv_capsule_routing(
+    out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
         *x, stride=stride, impl=impl)
     return jnp.sum(out_poses) + jnp.sum(out_acts)
 
@@ -85,7 +85,7 @@ def ptxas_builds(passes: str) -> list[kernel_bench.Build]:
 
 def default_impls() -> str:
   """'xla' and 'pallas', and 'kernel' where the fused CPU kernel runs."""
-  cpu_kernel = jax.default_backend() == 'cpu' and em_kernel.available()
+  cpu_kernel = jax.default_backend() == 'cpu' and em_cpu.available()
   return 'xla,pallas' + (',kernel' if cpu_kernel else '')
 
 

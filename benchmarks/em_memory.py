@@ -12,9 +12,9 @@ backward passes, and optionally a short timing of the train step.
   python -m benchmarks.em_memory hlo --batches=8 --hlo_dir=/tmp/em_hlo
 
 ``--impls``: how the conv capsule layers route their windows
-(``capsule_routing.conv_capsule_routing``'s ``impl`` and ``window_chunk``):
+(``matrix_capsules.conv_capsule_routing``'s ``impl`` and ``window_chunk``):
 'kernel' (the fused CPU kernel, the default where it applies), and through
-XLA 'auto' (chunks of ``capsule_routing.WINDOW_CHUNK_BYTES`` of votes),
+XLA 'auto' (chunks of ``matrix_capsules.WINDOW_CHUNK_BYTES`` of votes),
 'whole' (all at once, the layer-wide votes), 'chunkN' (N windows). XLA's
 memory analysis does not see the kernel's own buffers (per worker thread
 about 3 x one window's votes, ``csrc/em_routing.cc``). ``time`` alternates
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from capsjax import capsule_routing
+from capsjax.routing import matrix_capsules
 from capsjax.training import state as state_lib
 
 _MIB = 2.0**20
@@ -110,7 +110,7 @@ def _layer_fns(model, impl: str):
 
   def conv(layer):
     def f(params, poses, acts):
-      out_poses, out_acts, _ = capsule_routing.conv_capsule_routing(
+      out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
           poses, acts, *params, stride=layer.stride,
           em_routing=layer.em_routing, window_chunk=routing['window_chunk'],
           impl=routing['routing_impl'])
@@ -120,7 +120,7 @@ def _layer_fns(model, impl: str):
   cls = model.class_caps
 
   def class_fn(params, poses, acts):
-    out_poses, out_acts, _ = capsule_routing.class_capsule_routing(
+    out_poses, out_acts, _ = matrix_capsules.class_capsule_routing(
         poses, acts, *params, coordinate_addition=cls.coordinate_addition,
         coordinate_offsets=cls.coordinate_offsets,
         coordinate_order=cls.coordinate_order, em_routing=cls.em_routing)

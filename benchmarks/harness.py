@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from capsjax import attention_routing
-from capsjax import conv
-from capsjax import em_kernel
 from capsjax import flops as flops_lib
 from capsjax import models
 from capsjax import routing
 from capsjax import training
+from capsjax.kernels import conv
+from capsjax.kernels import em_cpu
+from capsjax.routing import attention as attention_routing
 from capsjax.training import metrics as metrics_lib
 from capsjax.training import sharding
 from capsjax.training import state as state_lib
@@ -54,7 +54,7 @@ ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
     # 288 children per window, 32 parent types, 4x4 poses.
     'em_convcaps1': ('em', lambda b: (b, 6, 6, 288, 32, 16)),
     # The same ConvCaps1 routed by the fused CPU kernel from its pose
-    # patches (capsjax.em_kernel: the votes are made inside it).
+    # patches (capsjax.kernels.em_cpu: the votes are made inside it).
     'em_convcaps1_kernel': ('em_kernel', lambda b: (b, 6, 6, 288, 32, 16)),
     # Class capsules of that model: 4x4 grid x 32 types = 512 -> 5 classes.
     'em_class': ('em', lambda b: (b, 512, 5, 16)),
@@ -597,7 +597,7 @@ def routing_functions(kind: str, shape: tuple[int, ...], num_iterations: int,
                               jnp.float32).astype(dtype)
     weights = 0.5 * jax.random.normal(key_b, (num_in, num_out, 4, 4),
                                       jnp.float32)
-    forward = lambda x, a: em_kernel.route_windows(  # noqa: E731
+    forward = lambda x, a: em_cpu.route_windows(  # noqa: E731
         x, a, weights, betas, betas, num_iterations)
     loss = lambda x, a: sum(jnp.sum(y) for y in forward(x, a)[:2])  # noqa: E731
     cost = functools.partial(flops_lib.em_conv_kernel_cost, shape,

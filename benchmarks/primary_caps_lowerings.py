@@ -10,7 +10,8 @@ and the kernel gradient alone for XLA's taps lowering, oneDNN's strided
 convolution, the space-to-depth regrouping followed by oneDNN's stride-1
 one (5x5 over 1024 channels) and PyTorch's. ``vjp`` times the forward pass
 and both gradients in one jitted vjp, as a train step runs them, for taps,
-oneDNN's convolution, the lowering ``capsjax.conv.conv2d`` ships for this layer with the
+oneDNN's convolution, the lowering ``capsjax.kernels.conv2d`` ships for
+this layer with the
 onednn extra (``'onednn_input_grad'``: XLA's forward and kernel gradient,
 oneDNN's input gradient) and PyTorch's, and first prints each lowering's
 largest difference to taps. Alternated in one process on 2 threads, host
@@ -28,8 +29,8 @@ import numpy as np
 import torch
 
 from benchmarks import timing
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
 
 
 def operands(batch: int):

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from benchmarks import kernel_bench
 from capsjax import flops as flops_lib
-from capsjax import pallas_routing
 from capsjax import routing
+from capsjax.kernels import pallas_dynamic
 
 IMPLS = ('xla', 'pallas')
 KERNELS = {'forward': '_forward_kernel', 'backward': '_backward_kernel'}
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--dtype', default='float32',
                       choices=('float32', 'bfloat16'), help='of the votes')
   parser.add_argument('--block_inputs',
-                      default=str(pallas_routing.DEFAULT_BLOCK_INPUTS),
+                      default=str(pallas_dynamic.DEFAULT_BLOCK_INPUTS),
                       help="comma-separated input capsules per block of "
                       "impl='pallas' (powers of two): one row each")
   parser.add_argument('--bandwidth_gbs', type=float, default=0.0,
@@ -79,7 +79,7 @@ def loss_fn(impl: str, num_iterations: int, block_inputs: int | None,
   """(votes [B, I, O, D], bias [O, D]) -> sum of dynamic routing's outputs
   (``interpret``: the Pallas kernels', None: off a GPU)."""
   if impl == 'pallas':
-    route = functools.partial(pallas_routing.dynamic_routing,
+    route = functools.partial(pallas_dynamic.dynamic_routing,
                               block_inputs=block_inputs, interpret=interpret)
   else:
     route = functools.partial(routing.dynamic_routing, impl=impl)

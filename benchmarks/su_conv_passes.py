@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from benchmarks import timing
-from capsjax.conv import dispatch
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
+from capsjax.kernels.conv import dispatch
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
 
 LAYERS = ((26, 26, 64, 64), (12, 12, 64, 128), (10, 10, 128, 128))
 

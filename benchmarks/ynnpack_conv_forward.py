@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capsjax.conv import lowerings
+from capsjax.kernels.conv import lowerings
 
 
 def median_ms(f, *args, n: int = 9) -> float:

@@ -471,7 +471,7 @@ def assignment_figure(image: ArrayLike, assignments: ArrayLike,
     image: [H, W, C] input.
     assignments: [h, w, types, K], or [I, K] with ``grid`` = (h, w, types),
       inputs ordered (row, column, type) as
-      ``capsule_routing.class_capsule_routing`` returns them.
+      ``matrix_capsules.class_capsule_routing`` returns them.
     path: where to write the PNG (None: do not write).
     activations: optional [I] (or [h, w, types]) input capsule activations.
     prediction: optional predicted class (highlighted).

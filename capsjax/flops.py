@@ -249,7 +249,7 @@ def em_routing_cost(votes_shape: Sequence[int], num_iterations: int = 3, *,
 
 def em_conv_kernel_cost(votes_shape: Sequence[int], num_iterations: int = 3,
                         *, backward: bool = False) -> Cost:
-  """Cost of the fused conv capsule kernel (``em_kernel.route_windows``):
+  """Cost of the fused conv capsule kernel (``em_cpu.route_windows``):
   the votes V_io = M_i W_io (4 x 4 products: 4 multiply-adds, 8 flops, per
   vote number, 128 per child and parent, as XLA counts a dot) and
   ``em_routing_cost``'s routing, float32.
@@ -343,7 +343,7 @@ __all__ = (
 
 
 # ----------------------------------------------------------------------------
-# Attention routings (capsjax.attention_routing). Backward, as EM routing's:
+# Attention routings (capsjax.routing.attention). Backward, as EM routing's:
 # 2x the forward flops (every contraction has two differentiated operands).
 
 

@@ -46,14 +46,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from capsjax import attention_routing
-from capsjax import capsule_routing
+from capsjax import kernels
 from capsjax import nn
 from capsjax import routing
-from capsjax import votes as votes_lib
-from capsjax.conv import CONV_IMPLS
-from capsjax.conv import conv2d
-from capsjax.conv import dot_general as conv_dot_general
+from capsjax.kernels import implementations
+from capsjax.kernels.conv import dot_general as conv_dot_general
+from capsjax.routing import attention as attention_routing
+from capsjax.routing import matrix_capsules
+from capsjax.routing import votes as votes_lib
 
 # The authors' initialisers of the module docstring, TF truncated normals
 # (cut at 2 std): capsule_em's conv_capsule_mat / connector_capsule_mat and
@@ -70,7 +70,8 @@ OFFICIAL_BIAS_INIT = 0.1
 _default_kernel_init = nn.lecun_normal
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
+  """ValueError unless ``value`` is an int >= 1 (a bool is not)."""
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f'{name} must be a positive int, got {value!r}.')
 
@@ -90,27 +91,25 @@ class Conv2D(nnx.Module):
   """Convolution + bias, NHWC: [B, H, W, in_features] -> [B, H', W', out_features].
 
   H' = (H - K) // stride + 1 with 'VALID' padding, ceil(H / stride) with
-  'SAME'. ``conv_impl`` picks the strided implementation (see ``conv2d``).
+  'SAME'. ``implementation``: ``kernels.conv2d``'s (None: the fastest).
   ``scale`` multiplies the convolution before the bias is added:
   scale * conv(x, kernel) + bias (the official CapsNet's primary capsules).
   """
 
   def __init__(self, in_features: int, out_features: int, kernel_size: int,
                stride: int = 1, *, padding: str = 'VALID',
-               conv_impl: str | None = None, use_bias: bool = True,
+               implementation: str | None = None, use_bias: bool = True,
                kernel_init=_default_kernel_init, bias_init: float = 0.0,
                scale: float = 1.0, rngs: nnx.Rngs):
     for name, value in (('in_features', in_features),
                         ('out_features', out_features),
                         ('kernel_size', kernel_size), ('stride', stride)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     if padding not in ('VALID', 'SAME'):
       raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
-    if conv_impl is not None and conv_impl not in CONV_IMPLS:
-      raise ValueError(
-          f'conv_impl must be one of {CONV_IMPLS} or None, got {conv_impl!r}.')
+    implementations.check(implementation, 'conv2d')
     self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-    self.conv_impl = conv_impl
+    self.implementation = implementation
     self.scale = scale
     self.kernel = nnx.Param(kernel_init(
         rngs.params(), (kernel_size, kernel_size, in_features, out_features)))
@@ -124,7 +123,8 @@ class Conv2D(nnx.Module):
     return votes_lib.output_size(size, self.kernel_size, self.stride)
 
   def __call__(self, x: ArrayLike) -> jax.Array:
-    y = conv2d(x, self.kernel[...], self.stride, self.padding, self.conv_impl)
+    y = kernels.conv2d(x, self.kernel[...], self.stride, self.padding,
+                       self.implementation)
     if self.scale != 1.0:
       y = self.scale * y
     if self.bias is not None:
@@ -141,7 +141,7 @@ class BatchNorm(nnx.Module):
 
   def __init__(self, num_features: int, *, momentum: float = 0.99,
                epsilon: float = 1e-3):
-    _check_positive_int('num_features', num_features)
+    check_positive_int('num_features', num_features)
     if not (0.0 <= momentum < 1.0 and epsilon > 0.0):
       raise ValueError(f'BatchNorm needs 0 <= momentum < 1 and epsilon > 0, '
                        f'got momentum={momentum!r}, epsilon={epsilon!r}.')
@@ -189,19 +189,20 @@ class PrimaryCapsules(nnx.Module):
 
   def __init__(self, in_features: int, num_types: int = 32, dim: int = 8,
                kernel_size: int = 9, stride: int = 2, *,
-               conv_impl: str | None = None, squash_constant: float = 1.0,
+               implementation: str | None = None,
+               squash_constant: float = 1.0,
                form: str = 'text', leaky: bool = False,
                padding: str = 'VALID',
                kernel_init=_default_kernel_init, bias_init: float = 0.0,
                rngs: nnx.Rngs):
-    _check_positive_int('num_types', num_types)
-    _check_positive_int('dim', dim)
+    check_positive_int('num_types', num_types)
+    check_positive_int('dim', dim)
     _check_form(form)
     self.num_types, self.dim = num_types, dim
     self.squash_constant = squash_constant
     self.form, self.leaky = form, leaky
     self.conv = Conv2D(in_features, num_types * dim, kernel_size, stride,
-                       padding=padding, conv_impl=conv_impl,
+                       padding=padding, implementation=implementation,
                        kernel_init=kernel_init, bias_init=bias_init,
                        scale=self.coupling if form == 'official' else 1.0,
                        rngs=rngs)
@@ -224,15 +225,15 @@ class PrimaryCapsules(nnx.Module):
 
 class _DynamicRoutingLayer(nnx.Module):
   """What ``DenseCapsules`` and ``SharedCapsules`` share: their routing
-  options, the optional bias and the call into ``routing.dynamic_routing``."""
+  options, the optional bias and the call into ``kernels.dynamic_routing``."""
 
   def _set_routing(self, num_iterations: int, accumulate: bool, leaky: bool,
                    squash_constant: float, normalize_agreement: bool,
-                   routing_impl: str | None, bias_shape: tuple[int, int],
+                   implementation: str | None, bias_shape: tuple[int, int],
                    use_bias: bool, bias_init: float) -> None:
     routing.check_iterations(num_iterations)
-    routing.check_dynamic_impl('routing_impl', routing_impl)
-    self.routing_impl = routing_impl
+    implementations.check(implementation, 'dynamic_routing')
+    self.implementation = implementation
     self.num_iterations = num_iterations
     self.accumulate, self.leaky = accumulate, leaky
     self.squash_constant = squash_constant
@@ -242,11 +243,12 @@ class _DynamicRoutingLayer(nnx.Module):
 
   def _route(self, u_hat: jax.Array) -> tuple[jax.Array, jax.Array]:
     """u_hat: [B, I, O, Dout] -> (outputs [B, O, Dout], coupling [B, I, O])."""
-    return routing.dynamic_routing(
+    return kernels.dynamic_routing(
         u_hat, self.num_iterations, accumulate=self.accumulate,
         leaky=self.leaky, squash_constant=self.squash_constant,
         bias=None if self.bias is None else self.bias[...],
-        normalize_agreement=self.normalize_agreement, impl=self.routing_impl)
+        normalize_agreement=self.normalize_agreement,
+        implementation=self.implementation)
 
 
 class DenseCapsules(_DynamicRoutingLayer):
@@ -258,7 +260,7 @@ class DenseCapsules(_DynamicRoutingLayer):
   and the bias to 0.1, the defaults here). Su's routing variants
   (``accumulate=False``, ``squash_constant=0.5``, ``normalize_agreement``)
   are options, so his later routing with unshared weights is this layer.
-  ``routing_impl``: ``routing.dynamic_routing``'s ``impl`` (None: 'xla').
+  ``implementation``: ``kernels.dynamic_routing``'s (None: 'xla').
 
   Input [B, I, Din] -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
@@ -270,12 +272,12 @@ class DenseCapsules(_DynamicRoutingLayer):
                transform_std: float = OFFICIAL_WEIGHT_STD,
                bias_init: float = OFFICIAL_BIAS_INIT,
                normalize_agreement: bool = False,
-               routing_impl: str | None = None, rngs: nnx.Rngs):
+               implementation: str | None = None, rngs: nnx.Rngs):
     for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
                         ('out_caps', out_caps), ('out_dim', out_dim)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     self._set_routing(num_iterations, accumulate, leaky, squash_constant,
-                      normalize_agreement, routing_impl, (out_caps, out_dim),
+                      normalize_agreement, implementation, (out_caps, out_dim),
                       use_bias, bias_init)
     self.weights = nnx.Param(nn.truncated_normal_init(transform_std)(
         rngs.params(), (in_caps, out_caps, in_dim, out_dim)))
@@ -291,7 +293,7 @@ class SharedCapsules(_DynamicRoutingLayer):
   accepts any I (any image size). Defaults follow Su's Keras ``Capsule``
   layer: glorot-uniform W over [Din, O*Dout], no bias; his routing variants
   (``accumulate=False``, ``squash_constant=0.5``, ``normalize_agreement``)
-  are options; ``routing_impl`` as in ``DenseCapsules``.
+  are options; ``implementation`` as in ``DenseCapsules``.
 
   Input [B, I, Din] (any I) -> (outputs [B, O, Dout], coupling [B, I, O]).
   """
@@ -301,12 +303,12 @@ class SharedCapsules(_DynamicRoutingLayer):
                leaky: bool = False, squash_constant: float = 1.0,
                use_bias: bool = False, bias_init: float = OFFICIAL_BIAS_INIT,
                normalize_agreement: bool = False,
-               routing_impl: str | None = None, rngs: nnx.Rngs):
+               implementation: str | None = None, rngs: nnx.Rngs):
     for name, value in (('in_dim', in_dim), ('out_caps', out_caps),
                         ('out_dim', out_dim)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     self._set_routing(num_iterations, accumulate, leaky, squash_constant,
-                      normalize_agreement, routing_impl, (out_caps, out_dim),
+                      normalize_agreement, implementation, (out_caps, out_dim),
                       use_bias, bias_init)
     limit = math.sqrt(6.0 / (in_dim + out_caps * out_dim))
     self.weights = nnx.Param(jax.random.uniform(
@@ -340,7 +342,7 @@ class DepthwisePrimaryCapsules(nnx.Module):
                stride: int = 1, *, rngs: nnx.Rngs):
     for name, value in (('in_features', in_features), ('dim', dim),
                         ('kernel_size', kernel_size), ('stride', stride)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     if in_features % dim:
       raise ValueError(f'in_features ({in_features}) must be a multiple of '
                        f'the capsule dim ({dim}).')
@@ -377,7 +379,7 @@ class SelfAttentionCapsules(nnx.Module):
                *, rngs: nnx.Rngs):
     for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
                         ('out_caps', out_caps), ('out_dim', out_dim)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     self.weights = nnx.Param(nn.he_normal(rngs.params(),
                                        (in_caps, out_caps, in_dim, out_dim)))
     self.log_priors = nnx.Param(jnp.zeros((in_caps, out_caps), jnp.float32))
@@ -419,7 +421,7 @@ class MatrixPrimaryCapsules(nnx.Module):
                form: str = 'paper', rngs: nnx.Rngs):
     for name, value in (('in_features', in_features),
                         ('num_types', num_types), ('pose_size', pose_size)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     if form not in ('paper', 'released', 'released_2019'):
       raise ValueError(f"form must be 'paper', 'released' or "
                        f"'released_2019', got {form!r}.")
@@ -487,17 +489,18 @@ class ConvCapsules(nnx.Module):
   ``votes_dtype=jnp.bfloat16`` stores votes in bfloat16; routing statistics
   stay float32. ``window_chunk``: windows routed at a time, their votes
   recomputed in the backward pass
-  (``capsule_routing.conv_capsule_routing``; None: chunks of about
-  ``capsule_routing.WINDOW_CHUNK_BYTES`` of votes on a CPU, all at once on
-  an accelerator). ``routing_impl``: that function's ``impl`` (None: the
-  fused CPU kernel where it applies).
+  (``matrix_capsules.conv_capsule_routing``; None: chunks of about
+  ``matrix_capsules.WINDOW_CHUNK_BYTES`` of votes on a CPU, all at once on
+  an accelerator). ``implementation``: ``kernels.conv_capsule_routing``'s
+  (None: the fused CPU kernel where it applies).
   """
 
   def __init__(self, in_types: int, out_types: int, kernel_size: int = 3,
                stride: int = 2, *, pose_size: int = 4,
                em_routing: routing.EMRouting = routing.PAPER_EM,
                remat: bool = False, remat_iterations: bool = False,
-               window_chunk: int | None = None, routing_impl: str | None = None,
+               window_chunk: int | None = None,
+               implementation: str | None = None,
                votes_dtype=None, transform_std: float | None = None,
                transform_init: str = 'normal',
                beta_u_init: float = 0.0, beta_a_init: float = 0.0,
@@ -505,14 +508,14 @@ class ConvCapsules(nnx.Module):
     for name, value in (('in_types', in_types), ('out_types', out_types),
                         ('kernel_size', kernel_size), ('stride', stride),
                         ('pose_size', pose_size)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     self.kernel_size, self.stride = kernel_size, stride
     self.em_routing = _check_em_routing(em_routing)
     self.remat, self.remat_iterations = remat, remat_iterations
-    capsule_routing.check_window_chunk(window_chunk)
+    matrix_capsules.check_window_chunk(window_chunk)
     self.window_chunk = window_chunk
-    capsule_routing.check_em_impl('routing_impl', routing_impl)
-    self.routing_impl = routing_impl
+    implementations.check(implementation, 'conv_capsule_routing')
+    self.implementation = implementation
     self.votes_dtype = None if votes_dtype is None else jnp.dtype(votes_dtype)
     self.weights = nnx.Param(nn.capsule_transform_init(
         rngs.params(), (kernel_size, kernel_size, in_types, out_types,
@@ -528,10 +531,10 @@ class ConvCapsules(nnx.Module):
   def __call__(self, poses: ArrayLike, activations: ArrayLike
                ) -> tuple[jax.Array, jax.Array]:
     fn = functools.partial(
-        capsule_routing.conv_capsule_routing, stride=self.stride,
+        kernels.conv_capsule_routing, stride=self.stride,
         em_routing=self.em_routing, votes_dtype=self.votes_dtype,
         remat_iterations=self.remat_iterations,
-        window_chunk=self.window_chunk, impl=self.routing_impl)
+        window_chunk=self.window_chunk, implementation=self.implementation)
     if self.remat:
       fn = jax.checkpoint(fn)
     out_poses, out_acts, _ = fn(poses, activations, self.weights[...],
@@ -550,7 +553,7 @@ class ClassCapsules(nnx.Module):
   (poses [B, H, W, in_types, P, P], activations [B, H, W, in_types]) ->
   (poses [B, num_classes, P, P], activations [B, num_classes]).
   ``coordinate_offsets`` (rows, cols): what coordinate addition adds (see
-  ``capsule_routing.class_capsule_routing``); None: the grid's (h + 0.5) / H.
+  ``matrix_capsules.class_capsule_routing``); None: the grid's (h + 0.5) / H.
   """
 
   def __init__(self, in_types: int, num_classes: int, *, pose_size: int = 4,
@@ -564,7 +567,7 @@ class ClassCapsules(nnx.Module):
                beta_a_init: float = 0.0, rngs: nnx.Rngs):
     for name, value in (('in_types', in_types), ('num_classes', num_classes),
                         ('pose_size', pose_size)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     self.coordinate_addition = coordinate_addition
     # Tuples of floats: static, hashable module attributes.
     self.coordinate_offsets = None if coordinate_offsets is None else tuple(
@@ -584,8 +587,8 @@ class ClassCapsules(nnx.Module):
   def route(self, poses: ArrayLike, activations: ArrayLike
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(poses [B, K, P, P], activations [B, K], assignments [B, H*W*Cin, K])
-    (see ``capsule_routing.class_capsule_routing``)."""
-    return capsule_routing.class_capsule_routing(
+    (see ``matrix_capsules.class_capsule_routing``)."""
+    return matrix_capsules.class_capsule_routing(
         poses, activations, self.weights[...], self.beta_u[...],
         self.beta_a[...], coordinate_addition=self.coordinate_addition,
         coordinate_offsets=self.coordinate_offsets,

@@ -39,16 +39,13 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from capsjax import conv as conv_lib
 from capsjax import layers
 from capsjax import nn
 from capsjax import routing
-from capsjax import votes as votes_lib
-
-
-def _check_positive_int(name: str, value) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f'{name} must be a positive int, got {value!r}.')
+from capsjax.kernels import conv as conv_lib
+from capsjax.kernels import implementations
+from capsjax.layers import check_positive_int as _check_positive_int
+from capsjax.routing import votes as votes_lib
 
 
 def _check_widths(name: str, widths) -> tuple[int, ...]:
@@ -137,8 +134,10 @@ class CapsNet(nnx.Module):
   ``padding``: 'VALID' (the paper's MNIST model) or 'SAME' (the official
   code's CIFAR-10 model, ``padding=SAME`` in its README's command: 24x24
   inputs keep a 24x24 Conv1 grid and a 12x12 primary grid).
-  ``routing_impl``: DigitCaps' ``routing.dynamic_routing`` ``impl`` (None:
-  'xla'; 'pallas', the fused kernels of ``capsjax.pallas_routing``).
+  ``implementation``: how its convolutions and routing run
+  (``capsjax.kernels.implementations``): None, the fastest of each; 'xla';
+  'native' (oneDNN's convolutions); 'pallas' (DigitCaps' routing by the
+  fused kernels of ``capsjax.kernels.pallas_dynamic``).
 
   ``form`` picks what the primary capsules compute and how the layers start:
   - 'official': the official code's model (Sarasra/models,
@@ -172,9 +171,11 @@ class CapsNet(nnx.Module):
                use_bias: bool = True, reconstruction: bool = True,
                decoder_widths: Sequence[int] = (512, 1024),
                form: str = 'text', padding: str = 'VALID',
-               conv_impl: str | None = None,
-               routing_impl: str | None = None, rngs: nnx.Rngs):
+               implementation: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
+    implementations.check_for_model(implementation,
+                                    ('conv2d', 'dynamic_routing'), 'CapsNet')
+    conv_implementation = implementations.for_op(implementation, 'conv2d')
     # Named here, not by the layer's own argument names.
     for name, value in (('num_classes', num_classes),
                         ('conv1_channels', conv1_channels),
@@ -198,17 +199,23 @@ class CapsNet(nnx.Module):
     else:
       init = conv1_init = {}
     self.conv1 = layers.Conv2D(channels, conv1_channels, conv1_kernel, 1,
-                               padding=padding, rngs=rngs, **conv1_init)
+                               padding=padding,
+                               implementation=conv_implementation, rngs=rngs,
+                               **conv1_init)
     grid = (self.conv1.output_size(height), self.conv1.output_size(width))
     self.primary = layers.PrimaryCapsules(
         conv1_channels, primary_types, primary_dim, primary_kernel,
-        primary_stride, conv_impl=conv_impl, form=form, leaky=leaky,
+        primary_stride, implementation=conv_implementation, form=form,
+        leaky=leaky,
         padding=padding, rngs=rngs, **init)
     num_primary = self.primary.num_capsules(*grid)
     self.digit = layers.DenseCapsules(
         num_primary, primary_dim, num_classes, digit_dim, num_iterations,
         accumulate=accumulate, leaky=leaky, squash_constant=squash_constant,
-        use_bias=use_bias, routing_impl=routing_impl, rngs=rngs)
+        use_bias=use_bias,
+        implementation=implementations.for_op(implementation,
+                                              'dynamic_routing'),
+        rngs=rngs)
     if reconstruction:
       widths = _check_widths('decoder_widths', decoder_widths)
       self.decoder = _MLP(num_classes * digit_dim,
@@ -452,14 +459,16 @@ class MatrixCapsNet(nnx.Module):
   released code: 0.25, final lambda / 4).
 
   ``window_chunk``: how many windows each conv capsule layer routes at a
-  time (``capsule_routing.conv_capsule_routing``): None, on a CPU chunks
-  of about ``capsule_routing.WINDOW_CHUNK_BYTES`` of votes recomputed in the
+  time (``matrix_capsules.conv_capsule_routing``): None, on a CPU chunks
+  of about ``matrix_capsules.WINDOW_CHUNK_BYTES`` of votes recomputed in the
   backward pass (far less memory, and faster: the chunk stays in cache), on an
   accelerator all at once; 0 all at once; N that many.
-  ``routing_impl``: the conv capsule layers' routing (None: on a CPU the
-  fused kernel, ``capsjax.em_kernel``, where it applies and
-  ``window_chunk`` is None; 'kernel'; 'xla'; 'pallas', the Pallas GPU
-  kernel ``capsjax.pallas_em``, never picked by default).
+  ``implementation``: how its convolution and conv capsule routing run
+  (``capsjax.kernels.implementations``): None, the fastest of each (on a
+  CPU the fused routing kernel, ``capsjax.kernels.em_cpu``, where it
+  applies and ``window_chunk`` is None); 'xla'; 'native' (that kernel and
+  oneDNN's convolution); 'pallas' (the Pallas GPU routing kernel
+  ``capsjax.kernels.pallas_em``, never picked by default).
 
   Returns {'class_scores': [B, K] class activations, 'poses': [B, K, 4, 4],
   and the class layer's routing: 'assignments' [B, I, K] (I = h * w * D
@@ -481,11 +490,12 @@ class MatrixCapsNet(nnx.Module):
                caps1_stride: int = 2, caps2_kernel: int = 3,
                caps2_stride: int = 1, primary_form: str = 'paper',
                remat: bool = False, remat_iterations: bool = False,
-               window_chunk: int | None = None,
-               routing_impl: str | None = None, votes_dtype=None,
+               window_chunk: int | None = None, votes_dtype=None,
                init: str = 'paper', transform_std: float | None = None,
-               conv_impl: str | None = None, rngs: nnx.Rngs):
+               implementation: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
+    implementations.check_for_model(
+        implementation, ('conv2d', 'conv_capsule_routing'), 'MatrixCapsNet')
     for name, value in (('num_classes', num_classes), ('A', A), ('B', B),
                         ('C', C), ('D', D), ('conv1_kernel', conv1_kernel),
                         ('conv1_stride', conv1_stride),
@@ -503,13 +513,16 @@ class MatrixCapsNet(nnx.Module):
         class_inverse_temperature, class_lambda_scale)
     self.input_shape = (height, width, channels)
     self.conv1 = layers.Conv2D(
-        channels, A, conv1_kernel, conv1_stride, conv_impl=conv_impl,
+        channels, A, conv1_kernel, conv1_stride,
+        implementation=implementations.for_op(implementation, 'conv2d'),
         rngs=rngs, **(layers.AUTHORS_CONV1_INIT if init == 'authors' else {}))
     self.primary = layers.MatrixPrimaryCapsules(A, B, form=primary_form,
                                                 rngs=rngs)
     execution = dict(votes_dtype=votes_dtype, remat=remat,
                      remat_iterations=remat_iterations,
-                     window_chunk=window_chunk, routing_impl=routing_impl)
+                     window_chunk=window_chunk,
+                     implementation=implementations.for_op(
+                         implementation, 'conv_capsule_routing'))
     self.caps1 = layers.ConvCapsules(
         B, C, caps1_kernel, caps1_stride, em_routing=caps1_routing,
         rngs=rngs, **execution, **conv_init)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from capsjax.conv.products import sum_rows_float32
+from capsjax.kernels.conv.products import sum_rows_float32
 
 # Initialisers. Each draws a flat vector and reshapes it: on XLA:CPU the
 # random-bits program for a many-axis shape compiles 5-10x slower (seconds

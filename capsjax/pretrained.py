@@ -445,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == '__main__':
-  from capsjax.conv import dispatch
+  from capsjax.kernels.conv import dispatch
   # XLA:CPU's Eigen convolutions, as training ran them (before JAX starts).
   dispatch.prefer_eigen_convolutions()
   sys.exit(main())

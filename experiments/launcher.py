@@ -43,7 +43,7 @@ def run_command(argv: list[str], body: Callable[[], None],
     logging.set_verbosity(logging.WARNING)
   from capsjax.training import host_memory  # imports jax: after the flags
   logging.info('host memory: %s', host_memory.retain_freed_memory())
-  from capsjax.conv import dispatch
+  from capsjax.kernels.conv import dispatch
   logging.info('CPU convolutions: %s',
                dispatch.prefer_eigen_convolutions())
   from capsjax.training import loop

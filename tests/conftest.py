@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from capsjax.conv import dispatch  # noqa: E402
+from capsjax.kernels.conv import dispatch  # noqa: E402
 
 # XLA:CPU's Eigen convolutions, as the experiments run them (before JAX
 # starts its backend).

@@ -17,7 +17,7 @@ from experiments.configs import capsnet_mnist
 from tests import conftest
 
 # ----------------------------------------------------------------------------
-# Convolutions (capsjax.conv) against direct and float64 references.
+# Convolutions (capsjax.kernels.conv) against direct and float64 references.
 
 
 def em_window_inputs(seed, num=3, num_in=7, num_out=4, dtype=np.float64,

@@ -34,9 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from capsjax import capsule_routing  # noqa: E402
-from capsjax.conv import lowerings  # noqa: E402
-from capsjax.conv import onednn  # noqa: E402
+from capsjax.kernels.conv import lowerings  # noqa: E402
+from capsjax.kernels.conv import onednn  # noqa: E402
+from capsjax.routing import matrix_capsules  # noqa: E402
 
 F32_EPS = 2.0**-24  # float32's unit roundoff
 # bfloat16's unit roundoff (8 significant bits): its final rounding's
@@ -372,7 +372,7 @@ def _em_inputs(case: dict, dtype):
 
 def _em_loss_and_grads(inputs, impl, options, stride):
   def loss(poses, acts, *params):
-    out_poses, out_acts, assignments = capsule_routing.conv_capsule_routing(
+    out_poses, out_acts, assignments = matrix_capsules.conv_capsule_routing(
         poses, acts, *params, stride=stride, impl=impl, **options)
     return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None]) +
             jnp.sum(jnp.cos(assignments)), (out_poses, out_acts, assignments))

@@ -1,4 +1,4 @@
-"""Tests for capsjax.attention_routing (and its counts in capsjax.flops).
+"""Tests for capsjax.routing.attention (and its counts in capsjax.flops).
 
 The references below are float64 NumPy transcriptions of the authors' code,
 in their layouts; they do not call the library:
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from capsjax import attention_routing as ar
 from capsjax import flops
+from capsjax.routing import attention as ar
 
 DIMS = chex.Dimensions(B=2, I=5, O=3, D=4)
 BATCH_SHAPES = [(), (2,), (2, 3)]

@@ -54,7 +54,7 @@ def test_cli_smoke_run_writes_json_and_markdown(tmp_path):
   assert row['model'] == 'capsnet_mnist:smoke'
   assert row['batch_size'] == 8 and row['dtype'] == 'float32'
   # Which convolutions ran: oneDNN where the extra is installed, else XLA.
-  from capsjax.conv import onednn
+  from capsjax.kernels.conv import onednn
   assert row['conv_backend'].startswith('oneDNN' if onednn.available()
                                         else 'XLA')
   _positive_finite(row, ('train_images_per_s', 'eval_images_per_s',

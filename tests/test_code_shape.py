@@ -2,7 +2,7 @@
 
 A function's length is its lines, end to start, less its docstring's; a
 long function is split into named steps instead. The routing math and the
-pure helpers live in capsule_routing.py and nn.py, so layers.py stays the
+pure helpers live in matrix_capsules.py and nn.py, so layers.py stays the
 parameter-holding modules.
 """
 
@@ -54,4 +54,4 @@ def test_layers_stays_under_600_lines():
   lines = len((PACKAGE / 'layers.py').read_text().splitlines())
   assert lines <= MAX_LAYERS_LINES, (
       f'capsjax/layers.py has {lines} lines (at most {MAX_LAYERS_LINES}): '
-      f'routing math belongs in capsule_routing.py, pure helpers in nn.py.')
+      f'routing math belongs in matrix_capsules.py, pure helpers in nn.py.')

@@ -1,4 +1,4 @@
-"""capsjax.conv.dispatch: XLA:CPU's Eigen convolutions instead of
+"""capsjax.kernels.conv.dispatch: XLA:CPU's Eigen convolutions instead of
 YNNPACK's, and conv2d's CPU lowering that follows from it.
 
 The flag is read once per process, so each case is a fresh interpreter;
@@ -15,15 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from capsjax.conv import dispatch
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
+from capsjax.kernels.conv import dispatch
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
 from tests.conftest import REPO
 
 _PROBE = r'''
 import json, os
 import capsjax
-from capsjax.conv import dispatch as c
+from capsjax.kernels.conv import dispatch as c
 print(json.dumps({
     'status': c.prefer_eigen_convolutions(),
     'xla_flags': os.environ.get('XLA_FLAGS', ''),
@@ -43,7 +43,7 @@ print(json.dumps({
     'primary_narrow': c.cpu_conv_impl(8, 2, 20 * 20, 6 * 6),
     'strided': c.cpu_conv_impl(3, 3, 12 * 12, 4 * 4),
     'strided_narrow': c.cpu_conv_impl(3, 2, 12 * 12, 5 * 5),
-    # Where oneDNN computes the convolution (capsjax.conv.onednn).
+    # Where oneDNN computes the convolution (capsjax.kernels.conv.onednn).
     'onednn': [c.cpu_conv_impl(*args, onednn=True) for args in (
         (64, 1, 26 * 26, 24 * 24), (64, 1, 12 * 12, 10 * 10),
         (1, 1, 28 * 28, 20 * 20), (256, 1, 32 * 32, 28 * 28),

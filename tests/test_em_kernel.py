@@ -1,4 +1,4 @@
-"""The fused EM routing kernel (capsjax/csrc/em_routing.cc) against the
+"""The fused EM routing kernel (capsjax/kernels/csrc/em_routing.cc) against the
 float64 NumPy reference, autodiff of routing.em_routing, finite
 differences and the XLA conv capsule routing."""
 
@@ -13,18 +13,18 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
-from capsjax import capsule_routing
-from capsjax import em_kernel
 from capsjax import layers
 from capsjax import routing
-from capsjax import votes as votes_lib
+from capsjax.kernels import em_cpu
+from capsjax.routing import matrix_capsules
+from capsjax.routing import votes as votes_lib
 from tests.helpers import em_beta_a_scale
 from tests.helpers import em_window_inputs
 from tests.helpers import np_window_votes
 from tests.test_routing import np_em_routing
 
-pytestmark = pytest.mark.skipif(not em_kernel.available(),
-                                reason=f'EM kernel {em_kernel.status()}')
+pytestmark = pytest.mark.skipif(not em_cpu.available(),
+                                reason=f'EM kernel {em_cpu.status()}')
 
 # Each routes windows on their own: the paper's form with the authors'
 # schedule, cost normalisation with a constant lambda, the released code's
@@ -55,7 +55,7 @@ def test_kernel_matches_float64_reference(name):
   poses, acts, weights, beta_u, beta_a = em_window_inputs(
       1, beta_a_scale=em_beta_a_scale(name))
   with jax.enable_x64(True):
-    out = em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
+    out = em_cpu.route_windows(poses, acts, weights, beta_u, beta_a,
                                   iterations, **options)
   assert [x.dtype for x in out] == [jnp.float64] * 3
   expected = np_em_routing(np_window_votes(poses, weights), acts, beta_u,
@@ -77,7 +77,7 @@ def test_kernel_gradients_equal_autodiff_of_em_routing(name):
   # cotangents on all three outputs (poses, activations, assignments).
   options = dict(OPTIONS[name])
   iterations = options.pop('num_iterations')
-  lambdas = np.asarray(routing._inverse_temperatures(
+  lambdas = np.asarray(routing.inverse_temperatures(
       options.pop('inverse_temperature', None), iterations, jnp.float32),
       np.float64)
   inputs = em_window_inputs(2, beta_a_scale=em_beta_a_scale(name)) + (lambdas,)
@@ -88,7 +88,7 @@ def test_kernel_gradients_equal_autodiff_of_em_routing(name):
                 rng.normal(size=(num, num_in, num_out)))
 
   def kernel(poses, acts, weights, beta_u, beta_a, lam):
-    return em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
+    return em_cpu.route_windows(poses, acts, weights, beta_u, beta_a,
                                    iterations, inverse_temperature=lam,
                                    **options)
 
@@ -112,7 +112,7 @@ def test_kernel_gradients_match_finite_differences():
   poses, acts, weights, beta_u, beta_a = em_window_inputs(
       4, num=2, num_in=5, num_out=3)
   with jax.enable_x64(True):
-    check_grads(jax.jit(lambda *x: em_kernel.route_windows(
+    check_grads(jax.jit(lambda *x: em_cpu.route_windows(
         *x, 3, normalize_cost=True, inverse_temperature=0.7)),
                 (poses, acts, weights, beta_u, beta_a), order=1,
                 modes=['rev'], atol=1e-4, rtol=1e-4)
@@ -123,7 +123,7 @@ def test_float32_kernel_is_float64_to_float32_precision():
   cotangent = np.random.default_rng(6).normal(size=(4, 16, 16))
 
   def loss(*x):
-    out_poses, out_acts, _ = em_kernel.route_windows(*x, 3)
+    out_poses, out_acts, _ = em_cpu.route_windows(*x, 3)
     return jnp.sum(out_poses * cotangent) + jnp.sum(out_acts)
 
   with jax.enable_x64(True):
@@ -154,7 +154,7 @@ def test_conv_capsule_routing_by_kernel_equals_xla():
 
   def loss_and_grads(impl):
     def loss(poses, acts, *params):
-      out_poses, out_acts, assignments = capsule_routing.conv_capsule_routing(
+      out_poses, out_acts, assignments = matrix_capsules.conv_capsule_routing(
           poses, acts, *params, stride=2, impl=impl, normalize_cost=True)
       return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
               + jnp.sum(jnp.cos(assignments)),
@@ -189,7 +189,7 @@ def test_bfloat16_conv_capsules_route_in_float32_by_the_kernel():
   poses = jnp.asarray(rng.normal(size=(2, 5, 5, 2, 4, 4)), jnp.bfloat16)
   acts = jnp.asarray(rng.uniform(size=(2, 5, 5, 2)), jnp.bfloat16)
   params = tuple(jnp.asarray(x, jnp.bfloat16) for x in _layer_params())
-  route = jax.jit(lambda *x: capsule_routing.conv_capsule_routing(*x, stride=2))
+  route = jax.jit(lambda *x: matrix_capsules.conv_capsule_routing(*x, stride=2))
   assert 'EmConvRoutingForward' in route.lower(poses, acts,
                                                *params).as_text()
   half = route(poses, acts, *params)
@@ -225,7 +225,7 @@ def test_values_and_gradients_finite_on_degenerate_windows(name):
   inputs = _degenerate_windows(name)
 
   def loss(*x):
-    out_poses, out_acts, assignments = em_kernel.route_windows(*x, 3)
+    out_poses, out_acts, assignments = em_cpu.route_windows(*x, 3)
     return (jnp.sum(out_poses) + jnp.sum(out_acts) + jnp.sum(assignments),
             (out_poses, out_acts, assignments))
 
@@ -252,7 +252,7 @@ def test_gradients_are_the_same_bit_for_bit_on_every_call():
       (num, num_out, 16), (num, num_out), (num, num_in, num_out)))
 
   def kernel(poses, acts, weights, beta_u, beta_a, lam):
-    return em_kernel.route_windows(poses, acts, weights, beta_u, beta_a, 3,
+    return em_cpu.route_windows(poses, acts, weights, beta_u, beta_a, 3,
                                    inverse_temperature=lam)
 
   grads = jax.jit(jax.grad(_routing_outputs_loss(kernel, cotangents),
@@ -266,10 +266,10 @@ def test_gradients_are_the_same_bit_for_bit_on_every_call():
 def test_vmap_equals_a_loop():
   poses, acts, weights, beta_u, beta_a = em_window_inputs(10, dtype=np.float32)
   stacked = np.stack([poses, poses[::-1]])
-  batched = jax.vmap(lambda p: em_kernel.route_windows(
+  batched = jax.vmap(lambda p: em_cpu.route_windows(
       p, acts, weights, beta_u, beta_a, 2))(stacked)
   for k in range(2):
-    single = em_kernel.route_windows(stacked[k], acts, weights, beta_u,
+    single = em_cpu.route_windows(stacked[k], acts, weights, beta_u,
                                      beta_a, 2)
     for b, s in zip(batched, single, strict=True):
       np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(s))
@@ -278,14 +278,14 @@ def test_vmap_equals_a_loop():
 def test_bad_arguments_raise_value_error():
   poses, acts, weights, beta_u, beta_a = em_window_inputs(11, dtype=np.float32)
   with pytest.raises(ValueError, match=r'poses \[N, I, 4, 4\]'):
-    em_kernel.route_windows(poses[:, :-1], acts, weights, beta_u, beta_a)
+    em_cpu.route_windows(poses[:, :-1], acts, weights, beta_u, beta_a)
   with pytest.raises(ValueError, match='activation_form'):
-    em_kernel.route_windows(poses, acts, weights, beta_u, beta_a,
+    em_cpu.route_windows(poses, acts, weights, beta_u, beta_a,
                             activation_form='hinton')
   # bfloat16 poses are routed in float32.
-  half = em_kernel.route_windows(poses.astype(jnp.bfloat16), acts, weights,
+  half = em_cpu.route_windows(poses.astype(jnp.bfloat16), acts, weights,
                                  beta_u, beta_a)
-  upcast = em_kernel.route_windows(
+  upcast = em_cpu.route_windows(
       np.asarray(poses.astype(jnp.bfloat16), np.float32), acts, weights,
       beta_u, beta_a)
   for h, u in zip(half, upcast, strict=True):
@@ -295,20 +295,20 @@ def test_bad_arguments_raise_value_error():
   conv_acts = np.ones((1, 5, 5, 2), np.float32)
   w, bu, ba = (np.asarray(x, np.float32) for x in _layer_params())
   with pytest.raises(ValueError, match='couples the windows'):
-    capsule_routing.conv_capsule_routing(
+    matrix_capsules.conv_capsule_routing(
         conv_poses, conv_acts, w, bu, ba, stride=2, impl='kernel',
         normalize_across_positions=True)
   with pytest.raises(ValueError,
                      match="impl must be None, 'kernel', 'pallas' or"):
-    capsule_routing.conv_capsule_routing(
+    matrix_capsules.conv_capsule_routing(
         conv_poses, conv_acts, w, bu, ba, stride=2, impl='fused')
   with pytest.raises(ValueError, match='routing_impl'):
     layers.ConvCapsules(2, 3, routing_impl='fused', rngs=nnx.Rngs(0))
 
 
 def test_environment_switch_turns_the_kernel_off():
-  code = ('from capsjax import em_kernel; '
-          'print(em_kernel.available(), em_kernel.status())')
+  code = ('from capsjax.kernels import em_cpu; '
+          'print(em_cpu.available(), em_cpu.status())')
   result = subprocess.run(
       [sys.executable, '-c', code], capture_output=True, text=True,
       check=True, env={**os.environ, 'CAPSJAX_EM_KERNEL': '0'})
@@ -327,7 +327,7 @@ def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
       poses, weights).compile().cost_analysis()
   votes_dot = votes_dot[0] if isinstance(votes_dot, list) else votes_dot
   assert kernel.flops - routing_only.flops == votes_dot['flops']
-  outputs = em_kernel.route_windows(poses, acts, weights, beta_u, beta_a, 3)
+  outputs = em_cpu.route_windows(poses, acts, weights, beta_u, beta_a, 3)
   operands = sum(x.nbytes for x in (poses, acts, weights, *outputs))
   assert kernel.bytes == kernel.streaming_bytes == operands
   backward = flops.em_conv_kernel_cost(shape, 3, backward=True)
@@ -338,9 +338,9 @@ def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
 def test_without_a_compiler_conv_capsules_route_through_xla(tmp_path):
   code = '\n'.join([
       'import jax.numpy as jnp',
-      'from capsjax import capsule_routing, em_kernel',
-      'print(em_kernel.status())',
-      'out = capsule_routing.conv_capsule_routing(',
+      'from capsjax.routing import matrix_capsules, em_kernel',
+      'print(em_cpu.status())',
+      'out = matrix_capsules.conv_capsule_routing(',
       '    jnp.zeros((1, 5, 5, 2, 4, 4)), jnp.ones((1, 5, 5, 2)),',
       '    jnp.zeros((3, 3, 2, 3, 4, 4)), jnp.zeros(3), jnp.zeros(3), stride=2)',
       'print([o.shape for o in out])'])

@@ -23,8 +23,8 @@ from capsjax import families
 from capsjax import layers
 from capsjax import losses
 from capsjax import nn
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
 from capsjax.training import matrix_capsules
 from capsjax.training import state as state_lib
 from experiments.configs import baseline_cnn_mnist

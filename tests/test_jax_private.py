@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from capsjax.conv import dispatch
+from capsjax.kernels.conv import dispatch
 from tests.conftest import REPO
 
 _PROBE = '''

@@ -10,12 +10,12 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
-from capsjax import capsule_routing
 from capsjax import layers
 from capsjax import nn
 from capsjax import routing
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
+from capsjax.routing import matrix_capsules
 from tests.helpers import assert_equals_direct
 from tests.helpers import conv_reference
 from tests.helpers import direct_conv
@@ -493,7 +493,7 @@ def test_conv_capsules_normalize_across_positions():
   params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
   out = jax.jit(lambda p, a: layer(p, a))(poses, acts)
   chex.assert_shape(out[0], (dims.B, 3, 4, dims.O, 4, 4))
-  route = jax.jit(capsule_routing.conv_capsule_routing,
+  route = jax.jit(matrix_capsules.conv_capsule_routing,
                   static_argnames=('stride', 'normalize_across_positions'))
   _, _, assignments = route(poses, acts, *params, stride=stride,
                             normalize_across_positions=True)
@@ -515,7 +515,7 @@ def test_conv_capsules_across_positions_equals_local_without_overlap():
   poses, acts = _conv_caps_inputs(dims, seed=5)
   layer = layers.ConvCapsules(dims.C, dims.O, 2, 2, rngs=nnx.Rngs(5))
   params = (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
-  route = jax.jit(capsule_routing.conv_capsule_routing,
+  route = jax.jit(matrix_capsules.conv_capsule_routing,
                   static_argnames=('stride', 'normalize_across_positions'))
   local = route(poses, acts, *params, stride=2,
                 normalize_across_positions=False)
@@ -591,7 +591,7 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):
 
     def loss_and_grads(window_chunk):
       def loss(poses, acts, *params):
-        out_poses, out_acts, assignments = capsule_routing.conv_capsule_routing(
+        out_poses, out_acts, assignments = matrix_capsules.conv_capsule_routing(
             poses, acts, *params, stride=2, window_chunk=window_chunk,
             **options)
         return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
@@ -606,7 +606,7 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):
                                   atol=1e-12)
     # Chunked gradients match finite differences (jitted: one compilation
     # for every difference, not one per operation).
-    check_grads(jax.jit(lambda p, a, w: capsule_routing.conv_capsule_routing(
+    check_grads(jax.jit(lambda p, a, w: matrix_capsules.conv_capsule_routing(
         p, a, w, *params[1:], stride=2, window_chunk=chunks[0], **options)[:2]),
                 (jnp.asarray(poses), jnp.asarray(acts), params[0]), order=1,
                 modes=['rev'], atol=1e-4, rtol=1e-4)
@@ -615,11 +615,11 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):
 def test_window_chunk_size_default_and_validation():
   # Chunks of about WINDOW_CHUNK_BYTES of votes on a CPU.
   votes = 288 * 32 * 16  # one window of the paper EM model's conv layers
-  expected = (max(1, capsule_routing.WINDOW_CHUNK_BYTES // (4 * votes))
+  expected = (max(1, matrix_capsules.WINDOW_CHUNK_BYTES // (4 * votes))
               if jax.default_backend() == 'cpu' else 0)
-  assert capsule_routing.window_chunk_size(None, votes, jnp.float32) == expected
-  assert capsule_routing.window_chunk_size(0, votes, jnp.float32) == 0
-  assert capsule_routing.window_chunk_size(5, votes, jnp.float32) == 5
+  assert matrix_capsules.window_chunk_size(None, votes, jnp.float32) == expected
+  assert matrix_capsules.window_chunk_size(0, votes, jnp.float32) == 0
+  assert matrix_capsules.window_chunk_size(5, votes, jnp.float32) == 5
   with pytest.raises(ValueError, match='window_chunk'):
     layers.ConvCapsules(2, 3, window_chunk=-1, rngs=nnx.Rngs(0))
 

@@ -52,8 +52,8 @@ import time
 import numpy as np
 import pytest
 
-from capsjax import em_kernel
-from capsjax.conv import onednn
+from capsjax.kernels import em_cpu
+from capsjax.kernels.conv import onednn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, 'tests', 'native_fuzz_worker.py')
@@ -351,8 +351,8 @@ def test_conv_cases_match_float64_with_onednn_held_to_avx2():
   _assert_all_pass(results, 'convolution (oneDNN held to AVX2)')
 
 
-@pytest.mark.skipif(not em_kernel.available(),
-                    reason=f'EM kernel {em_kernel.status()}')
+@pytest.mark.skipif(not em_cpu.available(),
+                    reason=f'EM kernel {em_cpu.status()}')
 def test_em_kernel_cases_match_xla():
   _, count = _case_counts()
   start = time.perf_counter()

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from capsjax.conv import onednn
+from capsjax.kernels.conv import onednn
 from tests import conftest
 from tests.conftest import REPO
 from tests.helpers import make_cifar10_release
@@ -53,7 +53,7 @@ def test_cifar10_smoke_trains_with_avx2_kernels(tmp_path):
 
 
 def _em_status(cache, env):
-  code = ('from capsjax import em_kernel; print(em_kernel.status())')
+  code = ('from capsjax.kernels import em_cpu; print(em_cpu.status())')
   return _run(['-c', code], dict(env, CAPSJAX_CACHE_DIR=str(cache)))
 
 

@@ -26,7 +26,7 @@ from capsjax import families
 from capsjax import layers
 from capsjax import losses
 from capsjax import models
-from capsjax.conv import lowerings
+from capsjax.kernels.conv import lowerings
 
 # ----------------------------------------------------------------------------
 # The reference, float64, in the official code's layout.

@@ -1,4 +1,4 @@
-"""oneDNN's convolutions through XLA FFI (capsjax.conv.onednn, the `onednn` extra).
+"""oneDNN's convolutions through XLA FFI (kernels.conv.onednn, the `onednn` extra).
 
 Skipped only where the extra's wheels are not installed or the user turned
 the path off (CAPSJAX_ONEDNN=0); otherwise the handlers must build and load
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
 from tests.conftest import REPO
 from tests.helpers import assert_equals_direct
 from tests.helpers import conv_reference
@@ -161,7 +161,7 @@ def test_vmap_and_a_train_step_of_a_conv_layer():
 
 def test_turned_off_by_the_environment():
   code = ('import json, jax, jax.numpy as jnp\n'
-          'from capsjax.conv import lowerings, onednn\n'
+          'from capsjax.kernels.conv import lowerings, onednn\n'
           'x = jnp.zeros((2, 8, 8, 16)); k = jnp.zeros((3, 3, 16, 4))\n'
           'hlo = jax.jit(lowerings.conv2d).lower(x, k).as_text()\n'
           'print(json.dumps([onednn.available(), onednn.status(), '

@@ -1,4 +1,4 @@
-"""bfloat16 convolutions through oneDNN (capsjax.conv.onednn) and their
+"""bfloat16 convolutions through oneDNN (capsjax.kernels.conv.onednn) and their
 fallback to XLA on a CPU without bfloat16 instructions.
 
 Tolerance: the references are float64 convolutions of the bfloat16-rounded
@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capsjax import conv
 from capsjax import losses
 from capsjax import models
-from capsjax import votes
-from capsjax.conv import lowerings
-from capsjax.conv import onednn
-from capsjax.conv import products
+from capsjax.kernels import conv
+from capsjax.kernels.conv import lowerings
+from capsjax.kernels.conv import onednn
+from capsjax.kernels.conv import products
+from capsjax.routing import votes
 from capsjax.training import state as state_lib
 from tests.helpers import conv_reference
 from tests.helpers import output_and_grads

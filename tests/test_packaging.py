@@ -21,8 +21,8 @@ def test_wheel_ships_capsjax_only(tmp_path):
   top = {name.split('/')[0] for name in names}
   assert 'capsjax' in top and 'experiments' not in top, sorted(top)
   # The C++ sources (oneDNN's convolutions, the EM kernel) travel with it.
-  assert 'capsjax/conv/csrc/onednn_conv.cc' in names
-  assert 'capsjax/csrc/em_routing.cc' in names
+  assert 'capsjax/kernels/conv/csrc/onednn_conv.cc' in names
+  assert 'capsjax/kernels/csrc/em_routing.cc' in names
   # The Apache-2.0 text that pyproject.toml's license names.
   assert any(name.endswith('.dist-info/licenses/LICENSE') for name in names)
 

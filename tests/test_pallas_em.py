@@ -1,4 +1,4 @@
-"""The Pallas EM kernel (capsjax/pallas_em.py) in interpret mode: the
+"""The Pallas EM kernel (capsjax/kernels/pallas_em.py) in interpret mode: the
 float64 NumPy reference, autodiff of routing.em_routing, the fused CPU
 kernel and the XLA conv capsule routing; degenerate windows; and its
 lowering to a Triton call for CUDA."""
@@ -15,12 +15,12 @@ from flax import nnx
 
 from benchmarks import em_kernels
 from benchmarks import kernel_bench
-from capsjax import capsule_routing
-from capsjax import em_kernel
 from capsjax import layers
-from capsjax import pallas_em
 from capsjax import routing
-from capsjax import votes as votes_lib
+from capsjax.kernels import em_cpu
+from capsjax.kernels import pallas_em
+from capsjax.routing import matrix_capsules
+from capsjax.routing import votes as votes_lib
 from tests.helpers import em_beta_a_scale
 from tests.helpers import em_window_inputs
 from tests.helpers import np_window_votes
@@ -75,7 +75,7 @@ def test_gradients_equal_autodiff_of_em_routing(name, backward):
   # (The conv test below checks the kernel's with normalize_cost.)
   options = dict(OPTIONS[name])
   iterations = options.pop('num_iterations')
-  lambdas = np.asarray(routing._inverse_temperatures(
+  lambdas = np.asarray(routing.inverse_temperatures(
       options.pop('inverse_temperature', None), iterations, jnp.float32),
       np.float64)
   inputs = _inputs(2, beta_a_scale=em_beta_a_scale(name)) + (lambdas,)
@@ -152,7 +152,7 @@ def test_conv_capsule_routing_by_pallas_equals_xla_and_the_cpu_kernel():
 
   def loss_and_grads(impl):
     def loss(poses, acts, *params):
-      out = capsule_routing.conv_capsule_routing(
+      out = matrix_capsules.conv_capsule_routing(
           poses, acts, *params, stride=2, impl=impl, normalize_cost=True,
           num_iterations=2)
       return (jnp.sum(jnp.sin(out[0]) * out[1][..., None, None])
@@ -161,14 +161,14 @@ def test_conv_capsule_routing_by_pallas_equals_xla_and_the_cpu_kernel():
                                       has_aux=True))(poses, acts, *params)
 
   with jax.enable_x64(True):
-    before = em_kernel.choices()
+    before = em_cpu.choices()
     pallas = loss_and_grads('pallas')
-    assert 'Pallas kernel: ' in em_kernel.choices() != before
+    assert 'Pallas kernel: ' in em_cpu.choices() != before
     xla = loss_and_grads('xla')
-    kernel = (capsule_routing.conv_capsule_routing(
+    kernel = (matrix_capsules.conv_capsule_routing(
         poses, acts, *params, stride=2, impl='kernel', normalize_cost=True,
         num_iterations=2)
-        if em_kernel.available() and jax.default_backend() == 'cpu' else None)
+        if em_cpu.available() and jax.default_backend() == 'cpu' else None)
   for got, want in zip(jax.tree.leaves(pallas), jax.tree.leaves(xla),
                        strict=True):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9,
@@ -291,11 +291,11 @@ def test_bad_arguments_raise_value_error():
   conv_acts = np.ones((1, 5, 5, 2), np.float32)
   w, bu, ba = (np.asarray(x, np.float32) for x in _layer_params())
   with pytest.raises(ValueError, match="impl='pallas'.*couples the windows"):
-    capsule_routing.conv_capsule_routing(
+    matrix_capsules.conv_capsule_routing(
         conv_poses, conv_acts, w, bu, ba, stride=2, impl='pallas',
         normalize_across_positions=True)
   with pytest.raises(ValueError, match="'kernel', 'pallas' or 'xla'"):
-    capsule_routing.conv_capsule_routing(
+    matrix_capsules.conv_capsule_routing(
         conv_poses, conv_acts, w, bu, ba, stride=2, impl='triton')
   # The layers take it through, and never pick it themselves.
   layer = layers.ConvCapsules(2, 3, routing_impl='pallas', rngs=nnx.Rngs(0))

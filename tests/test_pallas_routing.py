@@ -1,4 +1,4 @@
-"""Tests for capsjax.pallas_routing: dynamic routing as fused Pallas kernels.
+"""Tests for capsjax.kernels.pallas_dynamic: dynamic routing as fused Pallas kernels.
 
 The kernels run in Pallas' interpreter on the CPU. Values are checked
 against a float64 NumPy transcription of Procedure 1 (Sabour et al. 2017)
@@ -23,8 +23,8 @@ from flax import nnx
 from benchmarks import kernel_bench
 from benchmarks import routing_kernels
 from capsjax import layers
-from capsjax import pallas_routing
 from capsjax import routing
+from capsjax.kernels import pallas_dynamic
 
 # Interpreted on purpose here: the warning that says so is tested once.
 pytestmark = pytest.mark.filterwarnings(
@@ -113,7 +113,7 @@ def loss(route, votes, bias, weights, num_iterations, options):
           + jnp.sum(coupling * coupling_weights)), (outputs, coupling)
 
 
-PALLAS = functools.partial(pallas_routing.dynamic_routing,
+PALLAS = functools.partial(pallas_dynamic.dynamic_routing,
                            block_inputs=BLOCK)
 
 
@@ -308,7 +308,7 @@ def test_kernels_lower_to_triton_for_cuda(shape, dtype, variant):
   lower for CUDA through Pallas' Triton backend: one Triton custom call per
   kernel. (The Triton IR is compiled to PTX by XLA on a GPU, not here.)"""
   num_iterations, options, *_ = inputs(variant, shape)
-  route = functools.partial(pallas_routing.dynamic_routing,
+  route = functools.partial(pallas_dynamic.dynamic_routing,
                             interpret=False, **options)
   bias = jnp.zeros(shape[-2:], jnp.float32) if VARIANTS[variant][2] else None
 
@@ -341,13 +341,13 @@ def test_bad_arguments_and_empty_batch():
   with pytest.raises(ValueError, match="impl must be None, 'xla' or 'pallas'"):
     routing.dynamic_routing(votes, 3, impl='triton')
   with pytest.raises(ValueError, match='block_inputs must be a power of two'):
-    pallas_routing.dynamic_routing(votes, 3, block_inputs=24)
+    pallas_dynamic.dynamic_routing(votes, 3, block_inputs=24)
   with pytest.raises(ValueError, match='num_iterations'):
-    pallas_routing.dynamic_routing(votes, 0)
+    pallas_dynamic.dynamic_routing(votes, 0)
   with pytest.raises(ValueError, match='votes must be'):
-    pallas_routing.dynamic_routing(votes[0, 0], 3)
+    pallas_dynamic.dynamic_routing(votes[0, 0], 3)
   # No example: no kernel to launch (a grid of no programs).
-  outputs, coupling = pallas_routing.dynamic_routing(votes[:0], 3)
+  outputs, coupling = pallas_dynamic.dynamic_routing(votes[:0], 3)
   assert outputs.shape == (0, 3, 5) and coupling.shape == (0, 7, 3)
 
 
@@ -418,9 +418,9 @@ def test_the_interpreter_is_said_when_no_gpu_chose_it():
     with warnings.catch_warnings():
       warnings.simplefilter('error')
       np.testing.assert_allclose(
-          pallas_routing.dynamic_routing(votes, 2)[0],
+          pallas_dynamic.dynamic_routing(votes, 2)[0],
           routing.dynamic_routing(votes, 2)[0], rtol=1e-5)
     return
   with pytest.warns(UserWarning, match=r"without a GPU runs the Pallas kernels "
                     r"in Pallas' interpreter"):
-    pallas_routing.dynamic_routing(votes, 2)
+    pallas_dynamic.dynamic_routing(votes, 2)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from capsjax import capsule_routing
 from capsjax import layers
 from capsjax import models
 from capsjax import routing
-from capsjax import votes as votes_lib
+from capsjax.routing import matrix_capsules
+from capsjax.routing import votes as votes_lib
 
 LOG_2PI = math.log(2 * math.pi)
 STEP = 1e-30  # the complex step
@@ -242,7 +242,7 @@ def test_released_conv_routing(stride, true_stride, num_iterations):
   lambdas = _lambdas(num_iterations)
 
   def ours(poses, acts, weights, beta_a, beta_u):
-    out_poses, out_acts, _ = capsule_routing.conv_capsule_routing(
+    out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
         poses, acts, weights, beta_u, beta_a, stride=stride,
         num_iterations=num_iterations, inverse_temperature=lambdas,
         true_stride=true_stride, em_routing=routing.RELEASED_EM)
@@ -340,7 +340,7 @@ def test_released_routing_is_finite_on_degenerate_inputs():
   betas = np.zeros(3, np.float32)
 
   def loss(poses, acts, weights):
-    out_poses, out_acts, _ = capsule_routing.conv_capsule_routing(
+    out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
         poses, acts, weights, betas, betas, stride=2, num_iterations=3,
         inverse_temperature=_lambdas(3), em_routing=routing.RELEASED_EM)
     return jnp.sum(out_poses) + jnp.sum(out_acts)

@@ -281,7 +281,7 @@ def test_squash_zero_vector_has_zero_value_and_finite_gradient(dtype):
 def test_integer_inputs_are_refused_not_routed_to_zeros():
   """Every routing returns its votes' dtype: integer votes (np.arange, a
   count) would come back as zeros, so they are refused with the fix."""
-  from capsjax import attention_routing
+  from capsjax.routing import attention as attention_routing
   votes = np.ones((2, 4, 3, 4), np.int32)
   calls = {
       'squash': lambda: routing.squash(votes[:, 0]),

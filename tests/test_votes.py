@@ -1,4 +1,4 @@
-"""Tests for capsjax.votes against NumPy loops and hand-computed values.
+"""Tests for capsjax.routing.votes against NumPy loops and hand-computed values.
 
 Shapes: B batch, I input capsules, O output capsules, Din/Dout vector
 capsule dimensions, P the side of a pose matrix, H x W a capsule grid, C
@@ -16,7 +16,7 @@ import pytest
 from jax.test_util import check_grads
 
 from capsjax import routing
-from capsjax import votes
+from capsjax.routing import votes
 
 # chex dimension names are single letters: N = Din, E = Dout.
 DIMS = chex.Dimensions(B=2, I=5, O=3, N=4, E=6, P=4, C=2)

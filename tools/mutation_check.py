@@ -60,42 +60,42 @@ MUTATIONS = (
         '    del restored  # the last weights tested\n\n  def eval_context',
         ('tests/test_evaluators.py',)),
     Mutation(
-        'ignore_beta_a', 'capsjax/routing.py',
+        'ignore_beta_a', 'capsjax/routing/em.py',
         '    activation_logits = inverse_temperature * (beta_a - cost)',
         '    activation_logits = inverse_temperature * (0.0 * beta_a - cost)',
         ('tests/test_routing.py',)),
     Mutation(
-        'skip_e_step', 'capsjax/routing.py',
+        'skip_e_step', 'capsjax/routing/em.py',
         '    log_assignments = em_e_step(votes32, poses, log_variances,\n'
         '                                activation_logits, assignment_normalizer)',
         '    log_assignments = state.log_assignments',
         ('tests/test_routing.py::test_em_routing_matches_reference',)),
     Mutation(
-        'swap_softmax_axis', 'capsjax/routing.py',
+        'swap_softmax_axis', 'capsjax/routing/dynamic.py',
         '    return jax.nn.softmax(logits, axis=-1)',
         '    return jax.nn.softmax(logits, axis=-2)',
         ('tests/test_routing.py',)),
     Mutation(
-        'average_not_sum_votes', 'capsjax/routing.py',
+        'average_not_sum_votes', 'capsjax/routing/dynamic.py',
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes)",
         "  s = jnp.einsum('...io,...iod->...od', coupling, votes) / votes.shape[-3]",
         ('tests/test_routing.py',)),
     # The attention routings.
     Mutation(
-        'self_attention_softmax_over_inputs', 'capsjax/attention_routing.py',
+        'self_attention_softmax_over_inputs', 'capsjax/routing/attention.py',
         '  coupling = jax.nn.softmax(agreement, axis=-1)\n'
         '  if log_priors is not None:',
         '  coupling = jax.nn.softmax(agreement, axis=-2)\n'
         '  if log_priors is not None:',
         ('tests/test_attention_routing.py',)),
     Mutation(
-        'self_attention_unscaled', 'capsjax/attention_routing.py',
+        'self_attention_unscaled', 'capsjax/routing/attention.py',
         "  agreement = _SUM('...iod,...od->...io', wide, total) / "
         'math.sqrt(dim)',
         "  agreement = _SUM('...iod,...od->...io', wide, total)",
         ('tests/test_attention_routing.py',)),
     Mutation(
-        'self_attention_priors_in_the_logits', 'capsjax/attention_routing.py',
+        'self_attention_priors_in_the_logits', 'capsjax/routing/attention.py',
         '    coupling = coupling + jnp.broadcast_to(\n'
         '        jnp.asarray(log_priors, wide.dtype), coupling.shape)',
         '    coupling = jax.nn.softmax(agreement + jnp.broadcast_to(\n'
@@ -104,30 +104,30 @@ MUTATIONS = (
         ('tests/test_attention_routing.py',)),
     Mutation(
         'efficient_squash_is_the_capsnet_squash',
-        'capsjax/attention_routing.py',
+        'capsjax/routing/attention.py',
         '  return (-jnp.expm1(-norm) / norm * s_wide).astype(s.dtype)',
         '  return (norm / (1 + norm**2) * s_wide).astype(s.dtype)',
         ('tests/test_attention_routing.py',)),
     Mutation(
         'inverted_routing_skips_the_layer_norm',
-        'capsjax/attention_routing.py',
+        'capsjax/routing/attention.py',
         '    if not layer_norm or dim == 1:\n      return poses',
         '    if True:\n      return poses',
         ('tests/test_attention_routing.py',)),
     Mutation(
-        'inverted_routing_softmax_over_inputs', 'capsjax/attention_routing.py',
+        'inverted_routing_softmax_over_inputs', 'capsjax/routing/attention.py',
         '    r = jax.nn.softmax(agreement, axis=-1)',
         '    r = jax.nn.softmax(agreement, axis=-2)',
         ('tests/test_attention_routing.py',)),
     Mutation(
         'inverted_routing_skips_the_middle_iterations',
-        'capsjax/attention_routing.py',
+        'capsjax/routing/attention.py',
         '      lambda _, poses: pose_update(routing_coefficients(poses)), '
         'poses,',
         '      lambda _, poses: poses, poses,',
         ('tests/test_attention_routing.py',)),
     Mutation(
-        'layer_norm_unbiased_variance', 'capsjax/attention_routing.py',
+        'layer_norm_unbiased_variance', 'capsjax/routing/attention.py',
         '  variance = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)',
         '  variance = jnp.sum(jnp.square(centred), axis=-1, keepdims=True) / '
         '(wide.shape[-1] - 1)',
@@ -183,13 +183,13 @@ MUTATIONS = (
          'test_augmentation_steps_match_references',)),
     # The fused EM kernel's hand-derived backward pass.
     Mutation(
-        'em_kernel_drops_the_variance_gradient', 'capsjax/csrc/em_routing.cc',
+        'em_kernel_drops_the_variance_gradient', 'capsjax/kernels/csrc/em_routing.cc',
         '      g_s[k] += g_q[o] * diff * diff;',
         '      g_s[k] += T(0);',
         ('tests/test_em_kernel.py::'
          'test_kernel_gradients_equal_autodiff_of_em_routing',)),
     Mutation(
-        'em_kernel_drops_the_momentum_gradient', 'capsjax/csrc/em_routing.cc',
+        'em_kernel_drops_the_momentum_gradient', 'capsjax/kernels/csrc/em_routing.cc',
         '        g_mu_prev[k] = c * g_mu[k];',
         '        g_mu_prev[k] = T(0);',
         ('tests/test_em_kernel.py::'

@@ -23,7 +23,7 @@ extern "C" int Overflow(int n) { std::vector<int> v(4); return v.data()[n]; }
 CC
 if LD_PRELOAD="$preload" ASAN_OPTIONS=$asan_options python -c "
 import ctypes, pathlib
-from capsjax import native
+from capsjax.kernels import native
 lib = ctypes.CDLL(str(native.build(pathlib.Path('$canary/overflow.cc'), 'canary_', ['-O1'])))
 lib.Overflow(6)" 2> "$canary/report"; then
   echo "the sanitizers did not catch a planted heap overflow" >&2

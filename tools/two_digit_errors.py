@@ -19,11 +19,11 @@ import sys
 import numpy as np
 
 from capsjax import training
-from capsjax.conv import dispatch
 from capsjax.data import blank_fields
 from capsjax.data import digit_pairs
 from capsjax.data import load_dataset
 from capsjax.evaluators import two_digit_transfer
+from capsjax.kernels.conv import dispatch
 
 
 def main(workdirs: list[str]) -> None:

@@ -24,7 +24,7 @@ import importlib.metadata
 import os
 import sys
 
-from capsjax.conv import dispatch
+from capsjax.kernels.conv import dispatch
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1

@@ -16,14 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
 
-from capsjax import conv
 from capsjax import data as data_lib
-from capsjax import em_kernel
 from capsjax import evaluators
+from capsjax.kernels import conv
+from capsjax.kernels import implementations
 from capsjax.training import metrics as metrics_lib
 from capsjax.training.checkpoints import CheckpointDamaged
 from capsjax.training.checkpoints import Checkpointer
@@ -219,7 +220,9 @@ _UNUSABLE_CHANGES = ('model', 'model_options', 'dataset')
 # what they are: a run may resume with another (e.g. the Pallas routing
 # kernels on a GPU after a CPU start).
 _IMPLEMENTATION_OPTIONS = tuple(f'model_options.{name}' for name in (
-    'conv_impl', 'routing_impl', 'remat', 'remat_iterations', 'window_chunk'))
+    'implementation', 'remat', 'remat_iterations', 'window_chunk',
+    # the same in workdirs of earlier capsjax:
+    'conv_impl', 'routing_impl'))
 
 
 def config_changes(config: ml_collections.ConfigDict, workdir: str
@@ -372,6 +375,7 @@ class _Run:
     self._train_step = jax.jit(
         functools.partial(steps.train_step, self.graphdef), donate_argnums=0)
     self._eval_step = jax.jit(functools.partial(steps.eval_step, self.graphdef))
+    self._implementations: dict[str, str] | None = None
 
   def say(self, message: str) -> None:
     if not self.chief:
@@ -410,7 +414,26 @@ class _Run:
             f'validation / {len(d.test.labels)} test; {c.num_train_steps} '
             f'steps of batch {c.batch_size} on {self.mesh.size} '
             f'{jax.devices()[0].platform} device(s); convolutions: '
-            f'{conv.backend()}{_em_kernel_words(c)}.')
+            f'{conv.backend()}; implementations: '
+            f'{_implementation_words(self.implementations())}.')
+
+  def implementations(self) -> dict[str, str]:
+    """What the model's operations run with and why not faster ones
+    (``kernels.implementations.describe``): the choices made while tracing
+    an evaluation step, which the train step's forward pass shares."""
+    if self._implementations is not None:
+      return self._implementations
+    images = self.dataset.train.images
+    batch = self.config.batch_size
+    shapes = (jax.ShapeDtypeStruct((batch,) + images.shape[1:], images.dtype),
+              jax.ShapeDtypeStruct((batch,) + self.dataset.train.labels.shape[1:],
+                                   self.dataset.train.labels.dtype),
+              jax.ShapeDtypeStruct((batch,), jnp.bool_))
+    with implementations.recording() as choices:
+      jax.eval_shape(self._eval_step, self.state.params,
+                     self.state.model_state, *shapes)
+    self._implementations = implementations.describe(choices)
+    return self._implementations
 
   def stop_reason(self) -> str | None:
     """Why ``stop_when`` stops training at the best validation record (None:
@@ -704,12 +727,11 @@ def _final_line(summary: dict[str, Any], workdir: str) -> str:
   return line + f' Summary: {os.path.join(workdir, "summary.json")}'
 
 
-def _em_kernel_words(config: ml_collections.ConfigDict) -> str:
-  """'; EM routing kernel: STATUS' for models with conv capsules (building
-  the kernel now, if it is not cached, rather than at the first step)."""
-  if config.model != 'matrix_capsnet':
-    return ''
-  return f'; fused EM routing kernel: {em_kernel.status()}'
+def _implementation_words(choices: dict[str, str]) -> str:
+  """'conv2d: native (2 calls); ...', or 'XLA only' for a model none of
+  whose operations has a choice."""
+  return '; '.join(f'{op}: {words}' for op, words in choices.items()
+                   ) or 'XLA only'
 
 
 def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
@@ -736,10 +758,8 @@ def _summary(run: _Run, test: dict, evals: dict, clock: _TrainClock,
                                 not stopped_early),
       'max_train_seconds': config.max_train_seconds or 0,
       'conv_backend': conv.backend(),
-      # Which native code ran: the layers' routing choices, and the kernel's
-      # build (its instruction set) or why it is not there.
-      'em_routing': em_kernel.choices() or None,
-      'em_kernel': em_kernel.status() if em_kernel.choices() else None,
+      # What each operation ran with, and why not a faster one.
+      'implementations': run.implementations(),
       'batch_size': config.batch_size,
       **environment,
       'num_devices': run.mesh.size,  # those trained on, not all there are

@@ -41,9 +41,10 @@ def get_config(variant: str = ''):
   config.model_options.num_iterations = 3
   config.model_options.reconstruction = True
   config.model_options.form = 'official'
-  # The routing's implementation: None (XLA) or 'pallas' (fused GPU
-  # kernels, not yet timed on a GPU); a run may resume with another.
-  config.model_options.routing_impl = placeholder(str)
+  # How the convolutions and the routing run (capsjax.kernels): None (the
+  # fastest available), 'xla', 'native' or 'pallas'; a run may resume with
+  # another.
+  config.model_options.implementation = placeholder(str)
   config.loss_form = 'official'
   # The reconstruction loss (the summed squared pixel error) is added to the
   # margin loss times this (the papers' 0.0005).

@@ -98,10 +98,11 @@ def em_defaults(config):
   # coordinates). The variants 'paper' and 'authors' name other presets.
   config.model_options.em_routing = 'capsjax'
   config.model_options.em_routing_overrides = em_routing_overrides()
-  # The conv capsules' routing: None (the fused CPU kernel where it
-  # applies, else XLA), 'kernel', 'xla' or 'pallas' (GPU kernels, not yet
-  # timed on a GPU); a run may resume with another.
-  config.model_options.routing_impl = placeholder(str)
+  # How the convolution and the conv capsules' routing run
+  # (capsjax.kernels): None (the fastest available: the fused CPU kernel
+  # where it applies, else XLA), 'xla', 'native' or 'pallas'; a run may
+  # resume with another.
+  config.model_options.implementation = placeholder(str)
   # > 0: ConvCaps1's own number of iterations.
   config.model_options.caps1_iterations = 0
   # Transforms of std 1 keep the poses from shrinking to the variance floor

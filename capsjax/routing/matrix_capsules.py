@@ -1,8 +1,9 @@
 """EM routing of matrix-capsule layers as pure functions: the conv capsule
-layer's windows (chunked, through the fused CPU kernel or, when asked, the
-Pallas kernels of ``pallas_em``) and the class capsule layer's positions.
+layer's windows (through XLA in chunks, or through a window router that
+``capsjax.kernels`` supplies) and the class capsule layer's positions.
 ``layers.ConvCapsules`` and ``layers.ClassCapsules`` hold the parameters
-and call these.
+and call these (through ``capsjax.kernels.conv_capsule_routing``, which
+chooses the implementation).
 
 Shape legend as in ``capsjax.layers``: B the batch, H x W a grid (H' x W'
 after a kernel), Cin / Cout capsule types, I input capsules, O output
@@ -12,15 +13,15 @@ capsules, P the side of a pose matrix, K a kernel size.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from capsjax import em_kernel
-from capsjax import routing
-from capsjax import votes as votes_lib
+from capsjax.routing import em as routing
+from capsjax.routing import votes as votes_lib
 
 # On a CPU, conv_capsule_routing routes the windows in chunks whose votes
 # take about this many bytes, so that one chunk's votes and their routing
@@ -29,6 +30,11 @@ from capsjax import votes as votes_lib
 # pass: 3 windows of the paper EM model's conv capsule layers (288 x 32 x
 # 16 float32 votes each; benchmarks/em_memory.py times other sizes).
 WINDOW_CHUNK_BYTES = 2**21
+# Routes N independent windows: (poses [N, I, P, P], activations [N, I],
+# weights [I, O, P, P], beta_u, beta_a, *, em_routing) -> (poses [N, O, P*P],
+# activations [N, O], assignments [N, I, O]), as
+# em_routing(votes.matrix_votes(poses, weights), ...) computes them.
+WindowRouter = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def check_window_chunk(window_chunk) -> None:
@@ -123,50 +129,12 @@ def _chunked_windows(route, pose_patches: jax.Array, act_patches: jax.Array,
   return jax.tree.map(merge, out)
 
 
-EM_IMPLS = (None, 'kernel', 'pallas', 'xla')
-
-
-def check_em_impl(name: str, impl) -> None:
-  if impl not in EM_IMPLS:
-    raise ValueError(f"{name} must be None, 'kernel', 'pallas' or 'xla', got "
-                     f"{impl!r}.")
-
-
-def _pallas_em():
-  """``capsjax.pallas_em``, imported on first use: Pallas and its Triton
-  backend load only where impl='pallas' asks for them."""
-  from capsjax import pallas_em
-  return pallas_em
-
-
-def _em_impl(impl, window_chunk, why_not: str, why_not_pallas: str) -> str:
-  """What conv_capsule_routing routes with: 'kernel', 'pallas' or 'xla'
-  (``why_not``: why the fused CPU kernel cannot route the windows, '' when
-  it can; ``why_not_pallas``: the same for the Pallas kernel)."""
-  check_em_impl('impl', impl)
-  if impl == 'kernel' and why_not:
-    raise ValueError(f"impl='kernel': the fused EM kernel cannot route these "
-                     f"windows: {why_not}. Use impl=None or 'xla'.")
-  if impl == 'pallas':
-    if why_not_pallas:
-      raise ValueError(f"impl='pallas': the Pallas EM kernel cannot route "
-                       f"these windows: {why_not_pallas}. Use impl=None or "
-                       f"'xla'.")
-    em_kernel.note_choice(False, '', pallas=True)
-    return 'pallas'
-  use = impl == 'kernel' or (impl is None and window_chunk is None
-                             and not why_not)
-  em_kernel.note_choice(use, why_not or (
-      "impl='xla'" if impl == 'xla' else 'window_chunk is set'))
-  return 'kernel' if use else 'xla'
-
-
 def conv_capsule_routing(
     poses: ArrayLike, activations: ArrayLike, weights: ArrayLike,
     beta_u: ArrayLike, beta_a: ArrayLike, *, stride: int,
     em_routing: routing.EMRouting | None = None, votes_dtype=None,
     remat_iterations: bool = False, window_chunk: int | None = None,
-    impl: str | None = None, **fields
+    route_windows: WindowRouter | None = None, **fields
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Convolutional capsules with EM routing, as a pure function.
 
@@ -201,14 +169,13 @@ def conv_capsule_routing(
       ``window_chunk`` windows (at least one). 0 routes all windows at
       once; None is 0 on an accelerator and on a CPU the windows whose
       votes take about ``WINDOW_CHUNK_BYTES``.
-    impl: 'kernel' routes the windows with the fused CPU kernel
-      (``em_kernel.route_windows``: votes and routing window by window in
-      the core's cache, forward and backward), 'pallas' with the Pallas
-      GPU kernel (``pallas_em.route_windows``: votes and routing window by
-      window on chip, interpreted on a CPU; ``window_chunk`` does not
-      apply), 'xla' through XLA in ``window_chunk`` chunks; None picks the
-      CPU kernel where it applies (``em_kernel.unsupported`` says why not)
-      and ``window_chunk`` is None, else XLA (never 'pallas').
+    route_windows: a function that routes independent windows (the
+      ``WindowRouter`` contract: ``capsjax.kernels`` passes its fused CPU
+      or Pallas kernel here), used instead of XLA for every window; it
+      takes no E-step normaliser (``released``,
+      ``normalize_across_positions``) nor ``remat_iterations``, and
+      ``window_chunk`` does not apply. None: XLA, in ``window_chunk``
+      chunks.
   Returns:
     (poses [B, H', W', Cout, P, P], activations [B, H', W', Cout] in the input
     poses' dtype, assignments [B, H', W', I, Cout] float32).
@@ -229,17 +196,15 @@ def conv_capsule_routing(
   num_in = kernel_size * kernel_size * in_types
   flat_weights = weights.reshape(num_in, out_types, p, p)
   normalizer = 'assignment_normalizer' in options
-  impl = _em_impl(impl, window_chunk, em_kernel.unsupported(
-      p, pose_patches.dtype, normalizer=normalizer,
-      released=em_routing.released, remat_iterations=remat_iterations),
-      _pallas_em().unsupported(
-          p, normalizer=normalizer, released=em_routing.released,
-          remat_iterations=remat_iterations) if impl == 'pallas' else '')
-  if impl != 'xla':
+  if route_windows is not None:
+    if normalizer or em_routing.released or remat_iterations:
+      raise ValueError(
+          'conv capsules: a window router routes each window on its own; '
+          'it takes no E-step normaliser (released, '
+          'normalize_across_positions) and no remat_iterations.')
     out_poses, out_acts, assignments = _route_windows_fused(
         pose_patches, act_patches, flat_weights, beta_u, beta_a, em_routing,
-        _pallas_em().route_windows if impl == 'pallas'
-        else em_kernel.route_windows)
+        route_windows)
   else:
     out_poses, out_acts, assignments = _route_windows_xla(
         pose_patches, act_patches, flat_weights, beta_u, beta_a, options,
@@ -305,11 +270,8 @@ def _window_routing_options(
 def _route_windows_fused(
     pose_patches: jax.Array, act_patches: jax.Array, flat_weights: jax.Array,
     beta_u: ArrayLike, beta_a: ArrayLike, em_routing: routing.EMRouting,
-    route_windows=em_kernel.route_windows
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Every window through a fused kernel: ``route_windows``, the CPU one
-  (``em_kernel.route_windows``) or the Pallas one
-  (``pallas_em.route_windows``).
+    route_windows: WindowRouter) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Every window through ``route_windows`` (a fused kernel).
 
   Patches [B, H', W', I, P, P] and [B, H', W', I], flat_weights [I, O, P, P]
   -> (poses [B, H', W', O, P, P], activations [B, H', W', O], assignments

@@ -44,7 +44,7 @@ def shared_vector_votes(inputs: ArrayLike, weights: ArrayLike,
     inputs: [..., I, Din].
     weights: [O, Din, Dout].
     dot_general: computes the one product [..., I, Din] @ [Din, O * Dout]
-      (``jax.lax.dot_general``'s signature), e.g. ``capsjax.conv.dot_general``,
+      (``jax.lax.dot_general``'s signature), e.g. ``capsjax.kernels.conv.dot_general``,
       which hands a large bfloat16 product to oneDNN on the CPU.
   Returns:
     [..., I, O, Dout] in the promoted dtype of inputs and weights.

@@ -22,7 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from capsjax.conv import onednn
+from capsjax.kernels import implementations
+from capsjax.kernels.conv import onednn
 
 # Products of at least this many multiply-adds go to oneDNN. The baseline
 # CNN's first dense layer (2.6e8 at batch 8; its 33M weights make it
@@ -45,7 +46,8 @@ def _onednn_bfloat16(dtype) -> bool:
   """Whether ``dtype`` is bfloat16, on the CPU, where oneDNN computes
   bfloat16 (``onednn.bf16_status``)."""
   return (jnp.dtype(dtype) == jnp.bfloat16 and
-          jax.default_backend() == 'cpu' and onednn.computes(jnp.bfloat16))
+          jax.default_backend() == 'cpu' and
+          not implementations.forced_xla() and onednn.computes(jnp.bfloat16))
 
 
 def uses_onednn(lhs_shape, rhs_shape, dtype) -> bool:

@@ -19,7 +19,7 @@ and the tests call it first; a notebook calls
 (``import capsjax`` changes nothing in the process). Afterwards
 ``ynn_convolutions`` asks the compiler what it actually does, and
 ``lowerings.conv2d`` picks its CPU lowering from the answer
-(``cpu_conv_impl``), or oneDNN's convolution where ``capsjax.conv.onednn``
+(``cpu_conv_impl``), or oneDNN's convolution where ``capsjax.kernels.conv.onednn``
 is installed: faster than any of XLA's.
 """
 
@@ -75,17 +75,16 @@ def prefer_eigen_convolutions() -> str:
   what was done, in words.
 
   Idempotent. Leaves XLA_FLAGS alone when it already names the YNNPACK
-  fusion types (the user's choice), when the backend has started (too late
-  to matter), with jaxlib older than 0.10, or with
-  CAPSJAX_YNN_CONVOLUTIONS=1.
+  fusion types (the user's choice: naming any in
+  ``--xla_cpu_experimental_ynn_fusion_type`` keeps YNNPACK's
+  convolutions), when the backend has started (too late to matter), or
+  with jaxlib older than 0.10.
   """
   global _result
   if _result is not None:
     return _result
   flags = os.environ.get('XLA_FLAGS', '')
-  if os.environ.get('CAPSJAX_YNN_CONVOLUTIONS', '0') == '1':
-    _result = 'off (CAPSJAX_YNN_CONVOLUTIONS=1)'
-  elif 'xla_cpu_experimental_ynn_fusion_type' in flags:
+  if 'xla_cpu_experimental_ynn_fusion_type' in flags:
     _result = 'not applied: XLA_FLAGS already sets the YNNPACK fusion types'
   elif backend_started():
     _result = 'not applied: the JAX backend had already started'
@@ -145,7 +144,7 @@ STRIDE1_TAPS_ABOVE_INPUT_RATIO = 1.4
 TAPS_MIN_CHANNELS = 64
 
 
-# oneDNN's convolutions (capsjax.conv.onednn, where installed) beat XLA's
+# oneDNN's convolutions (capsjax.kernels.conv.onednn, where installed) beat XLA's
 # lowerings on the convolutions of the shipped models, forward and both
 # gradients at batch 64 and 128 (BENCHMARKS.md): 0.17-0.74 of
 # XLA's time on the images' narrow first layers, 0.40-0.41 on the smoke
@@ -165,7 +164,7 @@ def cpu_conv_impl(in_channels: int, stride: int, in_positions: int,
     stride: its stride.
     in_positions: H * W of its (padded) input.
     out_positions: H' * W' of its output.
-    onednn: whether ``capsjax.conv.onednn`` is available and computes this
+    onednn: whether ``capsjax.kernels.conv.onednn`` is available and computes this
       convolution (float32, or bfloat16 on a CPU with bfloat16
       instructions; a non-empty batch).
     bfloat16: whether its operands are bfloat16.

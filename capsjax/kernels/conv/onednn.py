@@ -34,15 +34,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.metadata
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capsjax import native
-from capsjax import votes as votes_lib
+from capsjax.kernels import native
+from capsjax.routing import votes as votes_lib
 
 RUNTIME_WHEEL = 'onednn-cpu-gomp'
 HEADERS_WHEEL = 'onednn-devel-cpu-gomp'
@@ -81,8 +80,6 @@ def _build(header: pathlib.Path, library: pathlib.Path) -> pathlib.Path:
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
   """(the loaded library, None) or (None, why not), once per process."""
-  if os.environ.get('CAPSJAX_ONEDNN', '1') == '0':
-    return None, 'off (CAPSJAX_ONEDNN=0)'
   if not wheels_installed():
     return None, (f"not installed: pip install 'capsjax[onednn]' "
                   f'({RUNTIME_WHEEL}, {HEADERS_WHEEL})')
@@ -133,8 +130,6 @@ def bf16_status() -> tuple[bool, str]:
   words)."""
   if not available():
     return False, f'XLA: oneDNN {status()}'
-  if os.environ.get('CAPSJAX_ONEDNN_BF16', '1') == '0':
-    return False, 'XLA: oneDNN bfloat16 off (CAPSJAX_ONEDNN_BF16=0)'
   isa = cpu_isa()
   if not native_bf16():
     return False, (f'XLA: this CPU has no bfloat16 instructions for oneDNN '
@@ -196,7 +191,7 @@ def _check_bfloat16_kernels(dtype, what: str) -> None:
     raise ValueError(
         f'oneDNN {what}: this CPU has no bfloat16 instructions for oneDNN '
         f'(AVX512-BF16 or AMX; oneDNN runs {cpu_isa()}), so it has no '
-        f'bfloat16 kernels here. Use float32 operands, or capsjax.conv.conv2d, '
+        f'bfloat16 kernels here. Use float32 operands, or capsjax.kernels.conv.conv2d, '
         f'which computes bfloat16 with XLA on such a CPU.')
 
 

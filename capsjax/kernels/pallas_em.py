@@ -1,6 +1,6 @@
 """EM routing of convolutional capsule windows as a Pallas GPU kernel.
 
-The GPU twin of ``em_kernel.route_windows`` (the fused CPU kernel): it
+The GPU twin of ``em_cpu.route_windows`` (the fused CPU kernel): it
 computes what ``routing.em_routing(votes.matrix_votes(poses, w), ...)``
 computes for each window, without writing the votes to memory. Each Pallas
 program routes one window: it walks the window's children in chunks of
@@ -17,7 +17,7 @@ assignments are written out as it goes.
 Options: both activation forms, ``normalize_cost``, ``center_momentum``,
 any ``variance_epsilon`` and inverse-temperature schedule (the options
 under which windows route on their own, as the CPU kernel's), first-order
-differentiable (no Hessians: route with ``impl='xla'`` for those). The number
+differentiable (no Hessians: route with ``implementation='xla'`` for those). The number
 of parent types O is padded to a power of two (the padded parents are
 masked out of the E-step softmax and the cost normalisation), the
 children to a multiple of the chunk (with zero activations, which add
@@ -47,7 +47,7 @@ the tests check them) and compiles them on a GPU. They have been checked in
 interpret mode, for lowering to CUDA through Triton and, with the Triton
 compiler, for building for sm_80 (see ``CHILD_CHUNK``); their speed on a
 GPU has not been measured, so nothing routes with them unless asked
-(``conv_capsule_routing(impl='pallas')``).
+(``kernels.conv_capsule_routing(implementation='pallas')``).
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from capsjax import em_kernel
-from capsjax import pallas_routing
 from capsjax import routing
-from capsjax import votes as votes_lib
+from capsjax.kernels import em_cpu
+from capsjax.kernels import pallas_dynamic
+from capsjax.routing import votes as votes_lib
 
-POSE_SIDE = em_kernel.POSE_SIDE
+POSE_SIDE = em_cpu.POSE_SIDE
 _DIM = POSE_SIDE * POSE_SIDE
 # Children per chunk inside a program: one chunk's votes, [CHILD_CHUNK, O,
 # 16], are the largest value a program holds, in registers. At the paper's
@@ -622,7 +622,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
 
   Computes ``routing.em_routing(votes.matrix_votes(poses, weights),
   activations, beta_u, beta_a, options=em_routing)`` with a Pallas kernel
-  (``em_kernel.route_windows``'s contract).
+  (``em_cpu.route_windows``'s contract).
 
   Args:
     poses: [N, I, 4, 4] each window's child poses M_i.
@@ -654,14 +654,14 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
     raise ValueError(f"backward must be 'pallas' or 'xla', got {backward!r}.")
   poses, activations = jnp.asarray(poses), jnp.asarray(activations)
   weights = jnp.asarray(weights)
-  em_kernel.check_window_shapes('Pallas EM kernel', poses, activations,
+  em_cpu.check_window_shapes('Pallas EM kernel', poses, activations,
                                 weights)
   dtype = jnp.promote_types(poses.dtype, jnp.float32)
   num_out = weights.shape[1]
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
-  lambdas = routing._inverse_temperatures(em_routing.inverse_temperature,
+  lambdas = routing.inverse_temperatures(em_routing.inverse_temperature,
                                           em_routing.num_iterations, dtype)
-  interpret = pallas_routing.interpret_mode(interpret)
+  interpret = pallas_dynamic.interpret_mode(interpret)
   static = _Static(dataclasses.replace(em_routing, inverse_temperature=None),
                    interpret, child_chunk, backward, backward_chunk)
   return _route(poses.astype(dtype), activations.astype(dtype),

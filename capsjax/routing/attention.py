@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from capsjax.routing import NORM_EPSILON
-from capsjax.routing import UNROLL_ITERATIONS
-from capsjax.routing import check_iterations
-from capsjax.routing import floating_array
-from capsjax.routing import safe_norm
+from capsjax.routing.common import NORM_EPSILON
+from capsjax.routing.common import UNROLL_ITERATIONS
+from capsjax.routing.common import check_iterations
+from capsjax.routing.common import floating_array
+from capsjax.routing.common import safe_norm
 
 # torch.nn.LayerNorm's default epsilon, which the inverted dot-product
 # routing's reference layer uses (added to the variance under the root).

@@ -3,9 +3,10 @@
 XLA:CPU's own convolutions (and its strided backward pass) are slow for
 some of the capsule models' layers; each lowering here computes the same
 convolution and gradients differently (tests/test_layers.py checks every
-one against a float64 direct convolution), and ``conv2d`` picks one by
-``dispatch.cpu_conv_impl`` on the CPU, or oneDNN's (``capsjax.conv.onednn``)
-where that extra is installed. On other backends ``conv2d`` is XLA's.
+one against a float64 direct convolution). ``default_lowering`` picks one
+by ``dispatch.cpu_conv_impl`` on the CPU, oneDNN's
+(``capsjax.kernels.conv.onednn``) where the implementation is 'native';
+on other backends XLA's direct convolution.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from capsjax import votes as votes_lib
-from capsjax.conv import dispatch
-from capsjax.conv import onednn
+from capsjax.kernels.conv import dispatch
+from capsjax.kernels.conv import onednn
+from capsjax.routing import votes as votes_lib
 
-CONV_IMPLS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
+LOWERINGS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
               'onednn', 'onednn_input_grad')
 
 
@@ -380,7 +381,7 @@ def onednn_input_grad_conv(x: ArrayLike, kernel: ArrayLike, stride: int,
   the taps (323 against 403 ms); together they take 858 ms against 898 as
   taps, 1024 as oneDNN and 914 in PyTorch (at batch 64 429 against 418,
   489 and 445: a wash; BENCHMARKS.md). Needs
-  ``capsjax.conv.onednn``.
+  ``capsjax.kernels.conv.onednn``.
 
   Args:
     x: [B, H, W, C] float32.
@@ -411,7 +412,7 @@ onednn_input_grad_conv.defvjp(_onednn_input_grad_conv_forward,
 
 def _onednn_fits(x: jax.Array, kernel: jax.Array, pad_h: tuple[int, int],
                  pad_w: tuple[int, int]) -> bool:
-  """Whether oneDNN's convolution (``capsjax.conv.onednn``) can compute this
+  """Whether oneDNN's convolution (``capsjax.kernels.conv.onednn``) can compute this
   one: float32 or bfloat16 (both operands), a non-empty batch, the kernel
   fits the padded input."""
   return (x.shape[0] > 0 and x.dtype == kernel.dtype and
@@ -420,89 +421,109 @@ def _onednn_fits(x: jax.Array, kernel: jax.Array, pad_h: tuple[int, int],
           x.shape[2] + sum(pad_w) >= kernel.shape[1])
 
 
-def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
-           padding: str = 'VALID', impl: str | None = None) -> jax.Array:
-  """2-D convolution, NHWC, with a choice of implementation.
-
-  Args:
-    x: [B, H, W, C].
-    kernel: [Kh, Kw, C, F].
-    stride: the same stride along both axes.
-    padding: 'VALID' or 'SAME' (XLA's convention).
-    impl: 'patches' (a strided convolution regrouped space-to-depth into a
-      stride-1 one, evaluated by XLA and differentiated as matrix products
-      over patches: ``patches_conv``),
-      'narrow' (the same regrouping, then XLA's convolution with its kernel
-      gradient one product over channel-major patches: ``narrow_conv``),
-      'taps' (XLA's strided convolution, its input gradient computed tap by
-      tap: ``taps_conv``),
-      'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's convolution),
-      'direct' (``lax.conv_general_dilated`` with the stride), 'onednn'
-      (oneDNN's, float32 or bfloat16: ``capsjax.conv.onednn``) or
-      'onednn_input_grad' (XLA's with oneDNN's input gradient, float32:
-      ``onednn_input_grad_conv``).
-      None picks ``dispatch.cpu_conv_impl``'s choice on the CPU
-      backend (oneDNN's where it is installed and, for bfloat16, the CPU
-      has bfloat16 instructions: ``onednn.bf16_status``; else XLA's
-      lowerings: see there) and direct elsewhere: on GPU the zero taps of
-      the regrouped kernel would add 23% MACs to the 9x9 stride-2
-      PrimaryCaps conv and cuDNN's kernels have no such backward problem.
-  Returns:
-    [B, H', W', F].
-  """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+def check_conv2d(x: jax.Array, kernel: jax.Array, padding: str) -> None:
+  """ValueError unless x is [B, H, W, C], kernel [Kh, Kw, C, F] and padding
+  'VALID' or 'SAME'."""
   if x.ndim != 4 or kernel.ndim != 4 or x.shape[-1] != kernel.shape[2]:
     raise ValueError(
         f'conv2d: input [B, H, W, C] = {x.shape} does not match kernel '
         f'[Kh, Kw, C, F] = {kernel.shape}.')
   if padding not in ('VALID', 'SAME'):
     raise ValueError(f"padding must be 'VALID' or 'SAME', got {padding!r}.")
+
+
+def onednn_why_not(x: jax.Array, kernel: jax.Array, stride: int,
+                   padding: str, *, for_speed: bool) -> str:
+  """Why oneDNN cannot compute this convolution ('' when it can);
+  ``for_speed``: also where it would not be the faster (bfloat16 without
+  the CPU's bfloat16 instructions)."""
+  if jax.default_backend() != 'cpu':
+    return f'it runs on the CPU backend only, not {jax.default_backend()}'
   pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
   pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
-  on_cpu = jax.default_backend() == 'cpu'
-  if impl is None and on_cpu:
-    height, width = x.shape[1] + sum(pad_h), x.shape[2] + sum(pad_w)
-    out_h = votes_lib.output_size(height, kernel.shape[0], stride)
-    out_w = votes_lib.output_size(width, kernel.shape[1], stride)
-    impl = dispatch.cpu_conv_impl(
-        x.shape[-1], stride, height * width, out_h * out_w,
-        onednn=(_onednn_fits(x, kernel, pad_h, pad_w) and
-                onednn.computes(x.dtype)),
-        bfloat16=x.dtype == jnp.bfloat16)
-  elif impl is None:
-    impl = 'direct'
-  if impl not in CONV_IMPLS:
-    raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}.')
-  if impl == 'direct':
+  if not _onednn_fits(x, kernel, pad_h, pad_w):
+    return (f'it takes float32 or bfloat16 convolutions of a non-empty batch '
+            f'that the kernel fits, not a {x.dtype} input {x.shape} with a '
+            f'{kernel.dtype} kernel {kernel.shape}')
+  if not onednn.available():
+    return f'oneDNN is {onednn.status()}'
+  if for_speed and x.dtype == jnp.bfloat16 and not onednn.computes(x.dtype):
+    return onednn.bf16_status()[1]
+  return ''
+
+
+def default_lowering(x: jax.Array, kernel: jax.Array, stride: int,
+                     padding: str, *, native: bool) -> str:
+  """The lowering ``conv2d`` takes: ``dispatch.cpu_conv_impl``'s on the
+  CPU backend (``native``: with oneDNN's convolutions), 'direct' elsewhere:
+  on GPU the zero taps of the regrouped kernel would add 23% MACs to the 9x9
+  stride-2 PrimaryCaps conv and cuDNN's kernels have no such backward
+  problem."""
+  if jax.default_backend() != 'cpu':
+    return 'direct'
+  pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
+  pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
+  height, width = x.shape[1] + sum(pad_h), x.shape[2] + sum(pad_w)
+  out_h = votes_lib.output_size(height, kernel.shape[0], stride)
+  out_w = votes_lib.output_size(width, kernel.shape[1], stride)
+  return dispatch.cpu_conv_impl(x.shape[-1], stride, height * width,
+                                out_h * out_w, onednn=native,
+                                bfloat16=x.dtype == jnp.bfloat16)
+
+
+def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int, padding: str,
+           lowering: str) -> jax.Array:
+  """2-D convolution, NHWC, by the named lowering (``capsjax.kernels.conv2d``
+  chooses one; benchmarks and tests name them).
+
+  Args:
+    x: [B, H, W, C].
+    kernel: [Kh, Kw, C, F].
+    stride: the same stride along both axes.
+    padding: 'VALID' or 'SAME' (XLA's convention).
+    lowering: 'patches' (a strided convolution regrouped space-to-depth
+      into a stride-1 one, evaluated by XLA and differentiated as matrix
+      products over patches: ``patches_conv``),
+      'narrow' (the same regrouping, then XLA's convolution with its kernel
+      gradient one product over channel-major patches: ``narrow_conv``),
+      'taps' (XLA's strided convolution, its input gradient computed tap by
+      tap: ``taps_conv``),
+      'space_to_depth' (the regrouping, then ``eigen_conv``: XLA's
+      convolution), 'direct' (``lax.conv_general_dilated`` with the
+      stride), 'onednn' (oneDNN's, float32 or bfloat16:
+      ``capsjax.kernels.conv.onednn``) or 'onednn_input_grad' (XLA's with
+      oneDNN's input gradient, float32: ``onednn_input_grad_conv``).
+  Returns:
+    [B, H', W', F].
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  check_conv2d(x, kernel, padding)
+  if lowering not in LOWERINGS:
+    raise ValueError(f'lowering must be one of {LOWERINGS}, got {lowering!r}.')
+  pad_h = _conv_padding(x.shape[1], kernel.shape[0], stride, padding)
+  pad_w = _conv_padding(x.shape[2], kernel.shape[1], stride, padding)
+  if lowering == 'direct':
     return _lax_conv(x, kernel, stride, padding)
-  if impl in ('onednn', 'onednn_input_grad'):
-    if not _onednn_fits(x, kernel, pad_h, pad_w):
-      raise ValueError(
-          f"conv_impl={impl!r} takes float32 or bfloat16 convolutions of a "
-          f'non-empty batch that the kernel fits; got a {x.dtype} input '
-          f'{x.shape}, {kernel.dtype} kernel {kernel.shape}. Leave conv_impl '
-          f'unset.')
-    if not on_cpu:
-      raise ValueError(f'conv_impl={impl!r} runs on the CPU backend only; '
-                       f'this one is {jax.default_backend()!r}.')
-    if not onednn.available():
-      raise ValueError(f'conv_impl={impl!r}: oneDNN is {onednn.status()}.')
-    if x.dtype == jnp.bfloat16 and impl == 'onednn_input_grad':
-      raise ValueError("conv_impl='onednn_input_grad' is float32 only (XLA's "
+  if lowering in ('onednn', 'onednn_input_grad'):
+    why_not = onednn_why_not(x, kernel, stride, padding, for_speed=False)
+    if why_not:
+      raise ValueError(f'lowering={lowering!r}: {why_not}.')
+    if x.dtype == jnp.bfloat16 and lowering == 'onednn_input_grad':
+      raise ValueError("lowering='onednn_input_grad' is float32 only (XLA's "
                        "bfloat16 forward pass is slow); use 'onednn'.")
-    if impl == 'onednn_input_grad':
+    if lowering == 'onednn_input_grad':
       return onednn_input_grad_conv(x, kernel, stride, padding)
     return onednn.conv(x, kernel, stride, (pad_h, pad_w))
-  if impl == 'space_to_depth' and stride == 1:
+  if lowering == 'space_to_depth' and stride == 1:
     return eigen_conv(x, kernel, 1, padding)
   if padding == 'SAME':
     x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
-  if impl == 'space_to_depth':
+  if lowering == 'space_to_depth':
     return space_to_depth_conv(x, kernel, stride)
-  if impl == 'taps':
+  if lowering == 'taps':
     return taps_conv(x, kernel, stride)
   if stride > 1:
     x, kernel = _space_to_depth(x, kernel, stride)
-  if impl == 'narrow':
+  if lowering == 'narrow':
     return narrow_conv(x, kernel)
   return patches_conv(x, kernel)

@@ -1,15 +1,12 @@
-"""Pure routing functions: squash, dynamic routing and EM routing.
+"""EM routing (Hinton, Sabour & Frosst 2018, Procedure 1) as pure functions:
+the M- and E-steps, the routing options (``EMRouting``) with the paper's,
+the authors' and the released code's forms, and ``em_routing``.
 
-Shape legend: ``...`` are any leading batch dimensions, I the input (lower)
-capsules, O the output (higher) capsules, D the capsule dimension (the pose
-dimension, 16 for 4x4 poses, in EM routing).
-
-Everything here is a pure function of arrays: jit-able with the iteration
-count static, iterations run by ``lax.fori_loop``, correct under ``vmap`` and
-``grad``. Inputs may be float32 or bfloat16; all routing statistics (logits,
-couplings, means, variances, costs) are kept in float32 and the outputs are
-cast back to the votes' dtype (EM's activations stay float32, as class
-scores). No Flax import: layers call these functions.
+Shape legend as in ``capsjax.routing.common`` (D is the pose dimension, 16
+for 4x4 poses). Everything here is jit-able with the iteration count
+static, iterations run by ``lax.fori_loop``, correct under ``vmap`` and
+``grad``; statistics are float32 and the activations, class scores, stay
+float32.
 """
 
 from __future__ import annotations
@@ -27,9 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-# Added under the square root of a squared norm: keeps the norm and its
-# gradient finite at the zero vector (the official squash divides by |s|).
-NORM_EPSILON = 1e-12
+from capsjax.routing.common import UNROLL_ITERATIONS
+from capsjax.routing.common import as_float32
+from capsjax.routing.common import check_iterations
+from capsjax.routing.common import floating_array
+
 # Added to every variance in EM routing (the Gaussians' variance floor). A zero
 # variance (all votes equal) would make log sigma = -inf. The authors' released
 # code uses 5e-4; pass variance_epsilon=5e-4 to use theirs.
@@ -49,230 +48,8 @@ FINAL_INVERSE_TEMPERATURE = 0.01
 # Keeps the std of the normalised cost away from zero (identical costs).
 COST_STD_EPSILON = 1e-6
 _LOG_2PI = math.log(2.0 * math.pi)
-# The iteration count is static and small (1-5): unrolling the fori_loop lets
-# XLA fuse across iterations and keeps the backward pass free of a scan's
-# stacked carries (EM routing's gradient ran 1.7x faster on CPU).
-UNROLL_ITERATIONS = True
 
 Normalizer = Callable[[jax.Array], jax.Array]
-
-
-def _float32(x: ArrayLike) -> jax.Array:
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def floating_array(x: ArrayLike, name: str) -> jax.Array:
-  """``x`` as an array; TypeError unless it is floating point. The results
-  are in the input's dtype, so integer votes would come back as zeros."""
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.inexact):
-    raise TypeError(
-        f'{name} must be floating point (float32, bfloat16 or float64), got '
-        f'{x.dtype}: cast it first, e.g. {name}.astype(jnp.float32).')
-  return x
-
-
-def check_iterations(num_iterations: int) -> None:
-  """ValueError unless a positive int (a bool is not)."""
-  if (isinstance(num_iterations, bool) or not isinstance(num_iterations, int)
-      or num_iterations < 1):
-    raise ValueError(
-        f'num_iterations must be a positive int (the routing iterations are '
-        f'unrolled statically), got {num_iterations!r}.')
-
-
-def safe_norm(x: ArrayLike, axis: int = -1, keepdims: bool = False,
-              eps: float = NORM_EPSILON) -> jax.Array:
-  """Euclidean norm sqrt(|x|^2 + eps): finite value and gradient at zero.
-
-  Args:
-    x: [..., D] (the reduced axis is ``axis``).
-  Returns:
-    [...] (or [..., 1] with ``keepdims``).
-  """
-  x = jnp.asarray(x)
-  return jnp.sqrt(jnp.sum(jnp.square(x), axis=axis, keepdims=keepdims) + eps)
-
-
-def squash(s: ArrayLike, axis: int = -1, *, constant: float = 1.0,
-           eps: float = NORM_EPSILON) -> jax.Array:
-  """|s|^2 / (constant + |s|^2) * s / |s| (Sabour et al. 2017, eq. 1).
-
-  Keeps the direction of ``s`` and maps its length into [0, 1). A zero vector
-  maps to zero with a finite gradient. ``constant=0.5`` is the variant that
-  Su Jianlin's 2018 capsule post reports to work better.
-
-  Args:
-    s: [..., D] vectors (D along ``axis``).
-  Returns:
-    [..., D], same dtype as ``s``; computed in float32.
-  """
-  s = floating_array(s, 's')
-  s32 = _float32(s)
-  squared_norm = jnp.sum(jnp.square(s32), axis=axis, keepdims=True)
-  scale = squared_norm / (constant + squared_norm) * jax.lax.rsqrt(
-      squared_norm + eps)
-  return (scale * s32).astype(s.dtype)
-
-
-# ----------------------------------------------------------------------------
-# Dynamic routing (Sabour, Frosst, Hinton 2017, Procedure 1).
-
-
-class DynamicRoutingState(NamedTuple):
-  logits: jax.Array  # b: [..., I, O]
-  outputs: jax.Array  # v: [..., O, D]
-
-
-def coupling_coefficients(logits: ArrayLike, *, leaky: bool = False
-                          ) -> jax.Array:
-  """c_i = softmax over the OUTPUT capsules of b_i.
-
-  The softmax runs over the output axis: each input capsule splits itself
-  among the outputs. (Normalising over the input axis is the classic bug of
-  open ports.) ``leaky=True`` is the official code's extra zero logit that
-  absorbs orphan votes: softmax over [0, b_i1 .. b_iO], first entry dropped,
-  so the coefficients of an input sum to less than 1.
-
-  Args:
-    logits: [..., I, O]
-  Returns:
-    [..., I, O]
-  """
-  logits = jnp.asarray(logits)
-  if not leaky:
-    return jax.nn.softmax(logits, axis=-1)
-  log_total = jnp.logaddexp(0.0, jax.nn.logsumexp(logits, axis=-1,
-                                                  keepdims=True))
-  return jnp.exp(logits - log_total)
-
-
-def _weighted_sum(votes: jax.Array, coupling: jax.Array,
-                  bias: jax.Array | None) -> jax.Array:
-  """s_j = sum_i c_ij u_hat_j|i [+ bias_j]: [..., I, O, D] -> [..., O, D]."""
-  s = jnp.einsum('...io,...iod->...od', coupling, votes)
-  if bias is not None:
-    # Explicit broadcast: a bias shared over the batch ([O, D]) must not rely
-    # on implicit rank promotion (tests run with jax_numpy_rank_promotion=raise).
-    s = s + jnp.broadcast_to(bias, s.shape)
-  return s
-
-
-# Implementations of dynamic_routing (None: 'xla'). 'pallas' has not been
-# timed on a GPU yet, so it is never the default.
-DYNAMIC_IMPLS = (None, 'xla', 'pallas')
-
-
-def check_dynamic_impl(name: str, impl) -> None:
-  if impl not in DYNAMIC_IMPLS:
-    raise ValueError(
-        f"{name} must be None, 'xla' or 'pallas', got {impl!r}.")
-
-
-def dynamic_routing(
-    votes: ArrayLike,
-    num_iterations: int = 3,
-    *,
-    accumulate: bool = True,
-    leaky: bool = False,
-    squash_constant: float = 1.0,
-    bias: ArrayLike | None = None,
-    normalize_agreement: bool = False,
-    impl: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """Routing by agreement (Sabour et al. 2017, Procedure 1).
-
-      b = 0
-      repeat num_iterations times:
-        c = softmax_O(b); s = sum_i c u_hat [+ bias]; v = squash(s)
-        b = b + <u_hat, v>     (accumulate=False: b = <u_hat, v>;
-                                normalize_agreement: s / |s| in place of v)
-
-  The logit update after the last iteration is not computed (it would not be
-  used). Gradients flow through every iteration, as in the official code.
-
-  Args:
-    votes: [..., I, O, D] predictions u_hat_j|i, any leading batch dims.
-    num_iterations: static number of routing iterations (>= 1); 1 gives
-      uniform coupling 1/O.
-    accumulate: True is the paper's b += <u_hat, v>; False is Su's
-      non-accumulating fixed-point update b = <u_hat, v> (Su Jianlin's 2018
-      capsule post).
-    leaky: add the official code's zero "orphan" logit.
-    squash_constant: the constant in |s|^2 / (constant + |s|^2).
-    bias: optional [..., O, D] (broadcastable) added to s before the squash,
-      as the official code's learned bias.
-    normalize_agreement: measure agreement against the unit vector s / |s|
-      instead of v = squash(s), so that the logits do not depend on the
-      lengths of the outputs; only the final s is squashed. With
-      ``accumulate=False`` and ``squash_constant=0.5`` this is Su's later
-      routing (bojone/Capsule, March 2018), for which he reports about 95%
-      against 91% in the two-digit transfer test.
-    impl: 'xla' (None: the default) or 'pallas', the same routing as fused
-      Pallas kernels (``pallas_routing.dynamic_routing``: Triton on GPUs,
-      interpreted elsewhere; first-order gradients only).
-  Returns:
-    (outputs, coupling): outputs [..., O, D] = v after the last iteration, in
-    the votes' dtype; coupling [..., I, O] = the c that produced ``outputs``
-    (float32; sums to 1 over O unless ``leaky``).
-  """
-  check_iterations(num_iterations)
-  check_dynamic_impl('impl', impl)
-  votes = floating_array(votes, 'votes')
-  if impl == 'pallas':
-    # Imported here: pallas_routing builds on this module.
-    from capsjax import pallas_routing
-    return pallas_routing.dynamic_routing(
-        votes, num_iterations, accumulate=accumulate, leaky=leaky,
-        squash_constant=squash_constant, bias=bias,
-        normalize_agreement=normalize_agreement)
-  if votes.ndim < 3:
-    raise ValueError(
-        f'votes must be [..., in_caps, out_caps, dim], got shape {votes.shape}.')
-  out_dtype = votes.dtype
-  votes32 = _float32(votes)
-  # Everything in the votes' compute dtype, so the loop carry keeps one dtype.
-  bias32 = None if bias is None else jnp.asarray(bias, votes32.dtype)
-
-  def agreement_target(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(v = squash(s), the vector the votes agree with): [..., O, D] each."""
-    outputs = squash(s, constant=squash_constant)
-    if normalize_agreement:  # s / |s|: 0 at s = 0, with a finite gradient
-      return outputs, s / safe_norm(s, axis=-1, keepdims=True)
-    return outputs, outputs
-
-  def step(_, state: DynamicRoutingState) -> DynamicRoutingState:
-    coupling = coupling_coefficients(state.logits, leaky=leaky)
-    outputs, target = agreement_target(_weighted_sum(votes32, coupling, bias32))
-    agreement = jnp.einsum('...iod,...od->...io', votes32, target)
-    logits = state.logits + agreement if accumulate else agreement
-    return DynamicRoutingState(logits, outputs)
-
-  batch_shape, (num_in, num_out) = votes.shape[:-3], votes.shape[-3:-1]
-  # The first iteration's coupling, softmax(b = 0), is uniform: 1/O, or
-  # 1/(O + 1) with the orphan logit. It is written as that number: XLA:CPU
-  # constant-folds a softmax of zeros at compile time, which took 1-29 s
-  # per [B, I, O] softmax here (BENCHMARKS.md).
-  uniform = 1.0 / (num_out + int(leaky))
-  coupling = jnp.full(batch_shape + (num_in, num_out), uniform, votes32.dtype)
-  outputs, target = agreement_target(_weighted_sum(votes32, coupling, bias32))
-  if num_iterations == 1:
-    return outputs.astype(out_dtype), coupling
-  # b = 0 + <u_hat, v> in both update rules. The loop carry has the compute
-  # dtype (float64 under jax_enable_x64).
-  state = DynamicRoutingState(
-      jnp.einsum('...iod,...od->...io', votes32, target), outputs)
-  state = jax.lax.fori_loop(0, num_iterations - 2, step, state,
-                            unroll=UNROLL_ITERATIONS)
-  coupling = coupling_coefficients(state.logits, leaky=leaky)
-  outputs = squash(_weighted_sum(votes32, coupling, bias32),
-                   constant=squash_constant)
-  return outputs.astype(out_dtype), coupling
-
-
-# ----------------------------------------------------------------------------
-# EM routing (Hinton, Sabour, Frosst 2018, Procedure 1).
 
 
 def inverse_temperature_schedule(
@@ -283,7 +60,7 @@ def inverse_temperature_schedule(
   return tuple(final * (1.0 - 0.95 ** (t + 1)) for t in range(num_iterations))
 
 
-def _inverse_temperatures(inverse_temperature, num_iterations: int, dtype
+def inverse_temperatures(inverse_temperature, num_iterations: int, dtype
                           ) -> jax.Array:
   """[T] lambdas in the routing's compute dtype (float64 under x64)."""
   if inverse_temperature is None:
@@ -647,12 +424,12 @@ def em_routing(
         f'activations must be [..., in_caps] = {votes.shape[:-2]} to match '
         f'votes {votes.shape}, got {activations.shape}.')
   out_dtype = votes.dtype
-  votes32 = _float32(votes)
+  votes32 = as_float32(votes)
   # Everything in the votes' compute dtype, so the loop carry keeps one dtype.
   activations32 = activations.astype(votes32.dtype)
   beta_u32 = jnp.asarray(beta_u, votes32.dtype)
   beta_a32 = jnp.asarray(beta_a, votes32.dtype)
-  lambdas = _inverse_temperatures(options.inverse_temperature, num_iterations,
+  lambdas = inverse_temperatures(options.inverse_temperature, num_iterations,
                                   votes32.dtype)
   votes32 = jnp.swapaxes(votes32, -3, -2)  # parent-major: [..., O, I, D]
   padded = None

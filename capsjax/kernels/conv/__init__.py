@@ -1,6 +1,6 @@
-"""Convolution backends: ``conv2d`` and the lowerings it chooses from.
+"""Convolution backends: the lowerings ``capsjax.kernels.conv2d`` chooses from.
 
-- ``lowerings``: ``conv2d`` and XLA lowerings of a convolution (patches,
+- ``lowerings``: XLA lowerings of a convolution (patches,
   narrow, taps, space-to-depth, direct) with their custom gradients;
 - ``dispatch``: which lowering a CPU convolution takes, and XLA:CPU's
   YNNPACK setting (``prefer_eigen_convolutions``);
@@ -8,22 +8,21 @@
   (the ``onednn`` extra), built from ``csrc/`` on first use;
 - ``products``: ``dot_general``, which sends large bfloat16 dense products
   to oneDNN (for dense layers' ``dot_general``).
-The capsule layers (``capsjax.layers``) only call ``conv2d``.
+The capsule layers (``capsjax.layers``) only call ``capsjax.kernels.conv2d``.
 """
 
 import jax
 
-from capsjax.conv import onednn
-from capsjax.conv import products
-from capsjax.conv.lowerings import CONV_IMPLS
-from capsjax.conv.lowerings import conv2d
-from capsjax.conv.lowerings import eigen_conv
-from capsjax.conv.lowerings import narrow_conv
-from capsjax.conv.lowerings import onednn_input_grad_conv
-from capsjax.conv.lowerings import patches_conv
-from capsjax.conv.lowerings import space_to_depth_conv
-from capsjax.conv.lowerings import taps_conv
-from capsjax.conv.products import dot_general
+from capsjax.kernels.conv import onednn
+from capsjax.kernels.conv import products
+from capsjax.kernels.conv.lowerings import LOWERINGS
+from capsjax.kernels.conv.lowerings import eigen_conv
+from capsjax.kernels.conv.lowerings import narrow_conv
+from capsjax.kernels.conv.lowerings import onednn_input_grad_conv
+from capsjax.kernels.conv.lowerings import patches_conv
+from capsjax.kernels.conv.lowerings import space_to_depth_conv
+from capsjax.kernels.conv.lowerings import taps_conv
+from capsjax.kernels.conv.products import dot_general
 
 
 def backend() -> str:
@@ -43,9 +42,8 @@ def backend() -> str:
 
 
 __all__ = (
-    'CONV_IMPLS',
+    'LOWERINGS',
     'backend',
-    'conv2d',
     'dot_general',
     'eigen_conv',
     'narrow_conv',

@@ -1,6 +1,6 @@
 """EM routing of convolutional capsule windows as one fused CPU kernel.
 
-``capsule_routing.conv_capsule_routing`` routes every K x K window of child
+``matrix_capsules.conv_capsule_routing`` routes every K x K window of child
 capsules on its own (unless an E-step normaliser couples the windows). On a
 CPU the fastest way to do that is one window at a time, its votes computed
 from the window's poses and kept in the core's cache through every pass of
@@ -19,9 +19,8 @@ both activation forms, ``normalize_cost``, ``center_momentum`` and any
 and transforms, as in mixed precision, are multiplied and routed in
 float32: the votes are never stored, so there is no memory to save by
 rounding them). It is first-order differentiable (no Hessians: route with
-``impl='xla'`` for those). Without a compiler, or with
-``CAPSJAX_EM_KERNEL=0``, conv capsule layers route through XLA;
-``status()`` says which.
+``implementation='xla'`` for those). Without a compiler conv capsule
+layers route through XLA; ``status()`` says why.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capsjax import native
 from capsjax import routing
+from capsjax.kernels import native
 
 _SOURCE = pathlib.Path(__file__).parent / 'csrc' / 'em_routing.cc'
 _TARGETS = ('EmConvRoutingForward', 'EmConvRoutingBackward')
@@ -57,8 +56,6 @@ def _cpu_key() -> str:
 @functools.cache
 def _load() -> tuple[bool, str]:
   """(whether the kernel is registered, why or why not), once per process."""
-  if os.environ.get('CAPSJAX_EM_KERNEL', '1') == '0':
-    return False, 'off (CAPSJAX_EM_KERNEL=0)'
   try:
     march = native.arch()
     library = native.build(_SOURCE, 'capsjax_em_routing_',
@@ -73,27 +70,6 @@ def _load() -> tuple[bool, str]:
     return False, f'not available: {error}'
   return True, (f'in use (conv capsule routing on the CPU; built for '
                 f'-march={march})')
-
-
-# What conv capsule layers traced in this process routed with: 'fused
-# kernel' or 'XLA (why)', and how many layer traces did (run summaries say
-# which native paths ran).
-_choices: dict[str, int] = {}
-
-
-def note_choice(used: bool, why_not: str, *, pallas: bool = False) -> None:
-  """Counts one conv capsule layer trace's routing (``layers`` calls it;
-  ``pallas``: it routed with the Pallas kernel, ``pallas_em``)."""
-  choice = ('Pallas kernel' if pallas else 'fused kernel' if used
-            else f'XLA ({why_not})')
-  _choices[choice] = _choices.get(choice, 0) + 1
-
-
-def choices() -> str:
-  """What the conv capsule layers traced so far routed with, in words
-  ('' when none was traced)."""
-  return '; '.join(f'{choice}: {count} layer trace(s)'
-                   for choice, count in sorted(_choices.items()))
 
 
 def available() -> bool:
@@ -224,7 +200,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   dtype = jnp.promote_types(poses.dtype, jnp.float32)
   num_out = weights.shape[1]
   cast = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (num_out,))  # noqa: E731
-  lambdas = routing._inverse_temperatures(em_routing.inverse_temperature,
+  lambdas = routing.inverse_temperatures(em_routing.inverse_temperature,
                                           em_routing.num_iterations, dtype)
   return _route(poses.astype(dtype), activations.astype(dtype),
                 weights.astype(dtype), cast(beta_u), cast(beta_a), lambdas,

@@ -29,7 +29,7 @@ hence of s_{t-1}. A final pass writes
     d u_hat_i = sum_t (c_ti ds_t + db_ti A_t).
 
 The bias's cotangent is sum_t ds_t. The reverse sweep is first-order only
-(no Hessians: route with impl='xla' for those).
+(no Hessians: route with implementation='xla' for those).
 
 Every kernel is one program per example (the flattened leading dims), the
 input capsules in blocks of ``block_inputs``, O and D padded to powers of two
@@ -424,10 +424,10 @@ def interpret_mode(interpret: bool | None) -> bool:
   if jax.default_backend() == 'gpu':
     return False
   warnings.warn(
-      "routing impl='pallas' without a GPU runs the Pallas kernels "
+      "implementation='pallas' without a GPU runs the Pallas kernels "
       "in Pallas' interpreter, hundreds of times slower than XLA (it is for "
-      "tests): on a CPU use the default implementation (impl=None, "
-      "routing_impl=None).", stacklevel=3)
+      "tests): on a CPU use the default (implementation=None).",
+      stacklevel=3)
   return True
 
 
