@@ -9,7 +9,7 @@ gradient with respect to the poses, activations, transforms and betas, at
 the paper EM model's two conv capsule layers (smallNORB: ConvCaps1, a
 14 x 14 grid of 32 capsule types routed in 3 x 3 windows at stride 2 to 32
 types; ConvCaps2, its 6 x 6 output at stride 1 to 32 types; 4 x 4 poses,
-3 iterations) for each ``--impls`` ('xla', 'pallas', and 'kernel', the
+3 iterations) for each ``--impls`` ('xla', 'pallas', and 'native', the
 fused CPU kernel, where it is available). The impls are timed in turn in
 one process; each row, one JSON line appended to ``--output``, holds the
 layer, batch, impl and median ms per call.
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernel_bench
+from capsjax import kernels
 from capsjax.kernels import em_cpu
 from capsjax.kernels import pallas_em
-from capsjax.routing import matrix_capsules
 
 # name: (grid side, in types, out types, kernel size, stride)
 LAYERS = {'convcaps1': (14, 32, 32, 3, 2), 'convcaps2': (6, 32, 32, 3, 1)}
@@ -56,8 +56,8 @@ def routing_step(impl: str, layer: tuple[int, ...], batch: int):
                for x in (poses, acts, weights, betas[0], betas[1]))
 
   def loss(*x):
-    out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
-        *x, stride=stride, impl=impl)
+    out_poses, out_acts, _ = kernels.conv_capsule_routing(
+        *x, stride=stride, implementation=impl)
     return jnp.sum(out_poses) + jnp.sum(out_acts)
 
   call, compile_s = kernel_bench.compiled_call(
@@ -84,9 +84,9 @@ def ptxas_builds(passes: str) -> list[kernel_bench.Build]:
 
 
 def default_impls() -> str:
-  """'xla' and 'pallas', and 'kernel' where the fused CPU kernel runs."""
+  """'xla' and 'pallas', and 'native' where the fused CPU kernel runs."""
   cpu_kernel = jax.default_backend() == 'cpu' and em_cpu.available()
-  return 'xla,pallas' + (',kernel' if cpu_kernel else '')
+  return 'xla,pallas' + (',native' if cpu_kernel else '')
 
 
 def main(argv: list[str]) -> None:

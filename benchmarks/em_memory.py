@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from capsjax import kernels
 from capsjax.routing import matrix_capsules
 from capsjax.training import state as state_lib
 
@@ -62,16 +63,17 @@ def _analysis(compiled) -> dict:
 
 
 def _routing_options(impl: str) -> dict:
-  """The conv capsule layers' routing_impl and window_chunk of ``impl``:
-  'kernel', or XLA's 'auto' (default chunks), 'whole' (0) or 'chunkN'."""
+  """The conv capsule layers' implementation and window_chunk of ``impl``:
+  'kernel' (the native one), or XLA's 'auto' (default chunks), 'whole' (0)
+  or 'chunkN'."""
   if impl == 'kernel':
-    return {'routing_impl': 'kernel', 'window_chunk': None}
+    return {'implementation': 'native', 'window_chunk': None}
   if impl == 'auto':
-    return {'routing_impl': 'xla', 'window_chunk': None}
+    return {'implementation': 'xla', 'window_chunk': None}
   if impl == 'whole':
-    return {'routing_impl': 'xla', 'window_chunk': 0}
+    return {'implementation': 'xla', 'window_chunk': 0}
   if impl.startswith('chunk'):
-    return {'routing_impl': 'xla', 'window_chunk': int(impl[len('chunk'):])}
+    return {'implementation': 'xla', 'window_chunk': int(impl[len('chunk'):])}
   raise ValueError(f"impl must be kernel, auto, whole or chunkN, got "
                    f"{impl!r}.")
 
@@ -110,10 +112,10 @@ def _layer_fns(model, impl: str):
 
   def conv(layer):
     def f(params, poses, acts):
-      out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
+      out_poses, out_acts, _ = kernels.conv_capsule_routing(
           poses, acts, *params, stride=layer.stride,
           em_routing=layer.em_routing, window_chunk=routing['window_chunk'],
-          impl=routing['routing_impl'])
+          implementation=routing['implementation'])
       return jnp.sum(out_poses) + jnp.sum(out_acts)
     return f, (layer.weights[...], layer.beta_u[...], layer.beta_a[...])
 

@@ -178,10 +178,10 @@ step "$CAP_KERNELS" routing_kernels -- "$PY" -m benchmarks.routing_kernels \
 step "$CAP_KERNELS" em_kernels -- "$PY" -m benchmarks.em_kernels \
   "${EM_KERNELS[@]}" --output="$WORK/json/em_kernels.jsonl"
 step "$CAP_FAST" capsnet_pallas_b${CAPS_B[0]} -- "$PY" -m experiments.benchmark \
-  --model=$CAPSNET --batch_size=${CAPS_B[0]} --model_option=routing_impl=pallas \
+  --model=$CAPSNET --batch_size=${CAPS_B[0]} --model_option=implementation=pallas \
   $FAST --output="$WORK/json/capsnet_pallas.json"
 step "$CAP_EM" em_pallas_b${EM_B[0]} -- "$PY" -m experiments.benchmark \
-  --model=$EM --batch_size=${EM_B[0]} --model_option=routing_impl=pallas \
+  --model=$EM --batch_size=${EM_B[0]} --model_option=implementation=pallas \
   $SLOW --output="$WORK/json/em_pallas.json"
 compare "$CAP_FAST" capsnet_b${CAPS_B[1]} $CAPSNET ${CAPS_B[1]} $DTYPES $FAST
 compare "$CAP_EM" em_b${EM_B[1]} $EM ${EM_B[1]} $EM_DTYPES $SLOW

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from benchmarks import kernel_bench
 from capsjax import flops as flops_lib
-from capsjax import routing
+from capsjax import kernels
+from capsjax.kernels import implementations
 from capsjax.kernels import pallas_dynamic
 
 IMPLS = ('xla', 'pallas')
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.num_in, args.block_inputs = 20, '8'
   args.block_inputs = [int(b) for b in args.block_inputs.split(',')]
   for impl in args.impls:
-    routing.check_dynamic_impl('--impls', impl)
+    implementations.check(impl, 'dynamic_routing', '--impls')
   return args
 
 
@@ -82,7 +83,7 @@ def loss_fn(impl: str, num_iterations: int, block_inputs: int | None,
     route = functools.partial(pallas_dynamic.dynamic_routing,
                               block_inputs=block_inputs, interpret=interpret)
   else:
-    route = functools.partial(routing.dynamic_routing, impl=impl)
+    route = functools.partial(kernels.dynamic_routing, implementation=impl)
 
   def loss(votes, bias):
     outputs, _ = route(votes, num_iterations, bias=bias)

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from benchmarks import timing
+from capsjax import kernels
 from capsjax.kernels.conv import dispatch
-from capsjax.kernels.conv import lowerings
 from capsjax.kernels.conv import onednn
 
 LAYERS = ((26, 26, 64, 64), (12, 12, 64, 128), (10, 10, 128, 128))
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
     xj, kj, dyj = (jnp.asarray(a, dtype) for a in (x, k, dy))
 
     def conv(x, k):
-      return lowerings.conv2d(x, k)
+      return kernels.conv2d(x, k)
 
     fwd = jax.jit(conv)
     dx = jax.jit(lambda x, k, dy: jax.vjp(lambda x: conv(x, k), x)[1](dy))

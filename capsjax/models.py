@@ -173,8 +173,7 @@ class CapsNet(nnx.Module):
                form: str = 'text', padding: str = 'VALID',
                implementation: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
-    implementations.check_for_model(implementation,
-                                    ('conv2d', 'dynamic_routing'), 'CapsNet')
+    implementations.check(implementation)
     conv_implementation = implementations.for_op(implementation, 'conv2d')
     # Named here, not by the layer's own argument names.
     for name, value in (('num_classes', num_classes),
@@ -494,8 +493,7 @@ class MatrixCapsNet(nnx.Module):
                init: str = 'paper', transform_std: float | None = None,
                implementation: str | None = None, rngs: nnx.Rngs):
     height, width, channels = _check_input_shape(input_shape)
-    implementations.check_for_model(
-        implementation, ('conv2d', 'conv_capsule_routing'), 'MatrixCapsNet')
+    implementations.check(implementation)
     for name, value in (('num_classes', num_classes), ('A', A), ('B', B),
                         ('C', C), ('D', D), ('conv1_kernel', conv1_kernel),
                         ('conv1_stride', conv1_stride),

@@ -34,9 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from capsjax import kernels  # noqa: E402
 from capsjax.kernels.conv import lowerings  # noqa: E402
 from capsjax.kernels.conv import onednn  # noqa: E402
-from capsjax.routing import matrix_capsules  # noqa: E402
 
 F32_EPS = 2.0**-24  # float32's unit roundoff
 # bfloat16's unit roundoff (8 significant bits): its final rounding's
@@ -205,7 +205,11 @@ def _expects_bf16_refusal(dtype, impl) -> bool:
 
 
 def _one_conv(shape, impl):
+  """The convolution of ``impl``: None, the default choice
+  (``kernels.conv2d``); else that lowering."""
   stride, padding = shape['stride'], shape['padding']
+  if impl is None:
+    return lambda x, k: kernels.conv2d(x, k, stride, padding)
   return lambda x, k: lowerings.conv2d(x, k, stride, padding, impl)
 
 
@@ -372,8 +376,8 @@ def _em_inputs(case: dict, dtype):
 
 def _em_loss_and_grads(inputs, impl, options, stride):
   def loss(poses, acts, *params):
-    out_poses, out_acts, assignments = matrix_capsules.conv_capsule_routing(
-        poses, acts, *params, stride=stride, impl=impl, **options)
+    out_poses, out_acts, assignments = kernels.conv_capsule_routing(
+        poses, acts, *params, stride=stride, implementation=impl, **options)
     return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None]) +
             jnp.sum(jnp.cos(assignments)), (out_poses, out_acts, assignments))
 
@@ -409,10 +413,10 @@ def em_check(case: dict) -> tuple[list[str], str]:
   messages = []
   if dtype == np.float64:
     with jax.enable_x64(True):
-      got = _em_loss_and_grads(inputs, 'kernel', options, stride)
+      got = _em_loss_and_grads(inputs, 'native', options, stride)
       want = _em_loss_and_grads(inputs, 'xla', options, stride)
   else:
-    got = _em_loss_and_grads(inputs, 'kernel', options, stride)
+    got = _em_loss_and_grads(inputs, 'native', options, stride)
     with jax.enable_x64(True):
       want = _em_loss_and_grads(tuple(np.asarray(a, np.float64)
                                       for a in inputs), 'xla', options,

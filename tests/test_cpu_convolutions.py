@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from capsjax import kernels
 from capsjax.kernels.conv import dispatch
 from capsjax.kernels.conv import lowerings
 from capsjax.kernels.conv import onednn
@@ -57,7 +58,7 @@ print(json.dumps({
 
 def _probe(**env):
   environ = {k: v for k, v in os.environ.items()
-             if k not in ('XLA_FLAGS', 'CAPSJAX_YNN_CONVOLUTIONS')}
+             if k != 'XLA_FLAGS'}
   environ.update(env, JAX_PLATFORMS='cpu')
   out = subprocess.run([sys.executable, '-c', _PROBE], cwd=REPO, env=environ,
                        capture_output=True, text=True, timeout=300)
@@ -99,9 +100,11 @@ def test_the_call_turns_ynn_convolutions_off_and_convs_go_direct():
 
 @needs_the_flag
 def test_opting_out_keeps_xla_flags_and_the_patches_path():
-  result = _probe(CAPSJAX_YNN_CONVOLUTIONS='1')
-  assert result['status'] == 'off (CAPSJAX_YNN_CONVOLUTIONS=1)'
-  assert result['xla_flags'] == ''
+  flags = '--xla_cpu_experimental_ynn_fusion_type=individual_convolution'
+  result = _probe(XLA_FLAGS=flags)
+  assert result['status'] == ('not applied: XLA_FLAGS already sets the '
+                              'YNNPACK fusion types')
+  assert result['xla_flags'] == flags
   # jaxlib 0.10 hands this convolution to YNNPACK by default, whose
   # backward pass is slow: every convolution then takes the patches path.
   assert result['ynn'] is True
@@ -145,12 +148,12 @@ def test_conv2d_default_equals_direct_in_values_and_gradients(
                (height + 1 - kernel_size) // stride + 1, 8)
   cotangent = rng.standard_normal(out_shape).astype(np.float32)
 
-  def run(impl):
-    out, vjp = jax.vjp(lambda x, k: lowerings.conv2d(x, k, stride, impl=impl),
-                       x, kernel)
+  def run(conv):
+    out, vjp = jax.vjp(conv, x, kernel)
     return (out, *vjp(cotangent))
 
-  default, direct = jax.jit(run, static_argnums=0)(None), run('direct')
+  default = jax.jit(lambda: run(lambda x, k: kernels.conv2d(x, k, stride)))()
+  direct = run(lambda x, k: lowerings.conv2d(x, k, stride, lowering='direct'))
   chex.assert_shape(default[0], out_shape)
   for got, want in zip(default, direct, strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

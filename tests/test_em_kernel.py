@@ -13,10 +13,11 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+from capsjax import kernels
 from capsjax import layers
 from capsjax import routing
 from capsjax.kernels import em_cpu
-from capsjax.routing import matrix_capsules
+from capsjax.kernels import implementations
 from capsjax.routing import votes as votes_lib
 from tests.helpers import em_beta_a_scale
 from tests.helpers import em_window_inputs
@@ -154,8 +155,8 @@ def test_conv_capsule_routing_by_kernel_equals_xla():
 
   def loss_and_grads(impl):
     def loss(poses, acts, *params):
-      out_poses, out_acts, assignments = matrix_capsules.conv_capsule_routing(
-          poses, acts, *params, stride=2, impl=impl, normalize_cost=True)
+      out_poses, out_acts, assignments = kernels.conv_capsule_routing(
+          poses, acts, *params, stride=2, implementation=impl, normalize_cost=True)
       return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
               + jnp.sum(jnp.cos(assignments)),
               (out_poses, out_acts, assignments))
@@ -163,7 +164,7 @@ def test_conv_capsule_routing_by_kernel_equals_xla():
                                       has_aux=True))(poses, acts, *params)
 
   with jax.enable_x64(True):
-    kernel, xla = loss_and_grads('kernel'), loss_and_grads('xla')
+    kernel, xla = loss_and_grads('native'), loss_and_grads('xla')
     assert loss_and_grads(None)[0][0] == kernel[0][0]
   for got, want in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla),
                              strict=True):
@@ -189,7 +190,7 @@ def test_bfloat16_conv_capsules_route_in_float32_by_the_kernel():
   poses = jnp.asarray(rng.normal(size=(2, 5, 5, 2, 4, 4)), jnp.bfloat16)
   acts = jnp.asarray(rng.uniform(size=(2, 5, 5, 2)), jnp.bfloat16)
   params = tuple(jnp.asarray(x, jnp.bfloat16) for x in _layer_params())
-  route = jax.jit(lambda *x: matrix_capsules.conv_capsule_routing(*x, stride=2))
+  route = jax.jit(lambda *x: kernels.conv_capsule_routing(*x, stride=2))
   assert 'EmConvRoutingForward' in route.lower(poses, acts,
                                                *params).as_text()
   half = route(poses, acts, *params)
@@ -295,24 +296,35 @@ def test_bad_arguments_raise_value_error():
   conv_acts = np.ones((1, 5, 5, 2), np.float32)
   w, bu, ba = (np.asarray(x, np.float32) for x in _layer_params())
   with pytest.raises(ValueError, match='couples the windows'):
-    matrix_capsules.conv_capsule_routing(
-        conv_poses, conv_acts, w, bu, ba, stride=2, impl='kernel',
+    kernels.conv_capsule_routing(
+        conv_poses, conv_acts, w, bu, ba, stride=2, implementation='native',
         normalize_across_positions=True)
-  with pytest.raises(ValueError,
-                     match="impl must be None, 'kernel', 'pallas' or"):
-    matrix_capsules.conv_capsule_routing(
-        conv_poses, conv_acts, w, bu, ba, stride=2, impl='fused')
-  with pytest.raises(ValueError, match='routing_impl'):
-    layers.ConvCapsules(2, 3, routing_impl='fused', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="implementation must be None .* "
+                     "conv_capsule_routing's implementations"):
+    kernels.conv_capsule_routing(
+        conv_poses, conv_acts, w, bu, ba, stride=2, implementation='kernel')
+  with pytest.raises(ValueError, match='implementation must be None'):
+    layers.ConvCapsules(2, 3, implementation='fused', rngs=nnx.Rngs(0))
 
 
-def test_environment_switch_turns_the_kernel_off():
-  code = ('from capsjax.kernels import em_cpu; '
-          'print(em_cpu.available(), em_cpu.status())')
-  result = subprocess.run(
-      [sys.executable, '-c', code], capture_output=True, text=True,
-      check=True, env={**os.environ, 'CAPSJAX_EM_KERNEL': '0'})
-  assert result.stdout.strip() == 'False off (CAPSJAX_EM_KERNEL=0)'
+def test_environment_switch_routes_through_xla(monkeypatch):
+  """CAPSJAX_IMPLEMENTATION=xla: the default routes through XLA, and the
+  choice says why; a named 'native' still takes the kernel."""
+  layer = layers.ConvCapsules(2, 3, 3, 2, rngs=nnx.Rngs(0))
+  native = layers.ConvCapsules(2, 3, 3, 2, implementation='native',
+                               rngs=nnx.Rngs(0))
+  poses, acts = jnp.zeros((1, 5, 5, 2, 4, 4)), jnp.ones((1, 5, 5, 2))
+  monkeypatch.setenv('CAPSJAX_IMPLEMENTATION', 'xla')
+  with implementations.recording() as choices:
+    hlo = jax.jit(lambda p, a: layer(p, a)).lower(poses, acts).as_text()
+  assert 'EmConvRoutingForward' not in hlo
+  assert implementations.describe(choices) == {
+      'conv_capsule_routing': 'xla (1 call; CAPSJAX_IMPLEMENTATION=xla)'}
+  hlo = jax.jit(lambda p, a: native(p, a)).lower(poses, acts).as_text()
+  assert 'EmConvRoutingForward' in hlo
+  monkeypatch.setenv('CAPSJAX_IMPLEMENTATION', 'pallas')
+  with pytest.raises(ValueError, match='CAPSJAX_IMPLEMENTATION must be'):
+    jax.jit(lambda p, a: layer(p, a)).lower(poses, acts)
 
 
 def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
@@ -338,9 +350,10 @@ def test_kernel_cost_counts_xla_dot_flops_and_the_kernel_operands():
 def test_without_a_compiler_conv_capsules_route_through_xla(tmp_path):
   code = '\n'.join([
       'import jax.numpy as jnp',
-      'from capsjax.routing import matrix_capsules, em_kernel',
+      'from capsjax import kernels',
+      'from capsjax.kernels import em_cpu',
       'print(em_cpu.status())',
-      'out = matrix_capsules.conv_capsule_routing(',
+      'out = kernels.conv_capsule_routing(',
       '    jnp.zeros((1, 5, 5, 2, 4, 4)), jnp.ones((1, 5, 5, 2)),',
       '    jnp.zeros((3, 3, 2, 3, 4, 4)), jnp.zeros(3), jnp.zeros(3), stride=2)',
       'print([o.shape for o in out])'])

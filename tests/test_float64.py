@@ -20,10 +20,10 @@ from flax import nnx
 from jax._src.interpreters import partial_eval as pe
 
 from capsjax import families
+from capsjax import kernels
 from capsjax import layers
 from capsjax import losses
 from capsjax import nn
-from capsjax.kernels.conv import lowerings
 from capsjax.kernels.conv import onednn
 from capsjax.training import matrix_capsules
 from capsjax.training import state as state_lib
@@ -192,7 +192,7 @@ def test_float64_convolutions_are_xla():
 
   def grads_jaxpr(x, kernel):
     return jax.make_jaxpr(jax.grad(
-        lambda x, k: jnp.sum(lowerings.conv2d(x, k, 2)), argnums=(0, 1)))(
+        lambda x, k: jnp.sum(kernels.conv2d(x, k, 2)), argnums=(0, 1)))(
             x, kernel).jaxpr
 
   with jax.enable_x64(True):

@@ -42,7 +42,7 @@ assert not _jax_private.backends_started()
 print(capsjax.prefer_eigen_convolutions())
 '''
   env = {k: v for k, v in os.environ.items()
-         if k not in ('XLA_FLAGS', 'CAPSJAX_YNN_CONVOLUTIONS')}
+         if k != 'XLA_FLAGS'}
   result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300,
                           check=False)

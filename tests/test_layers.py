@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+from capsjax import kernels
 from capsjax import layers
 from capsjax import nn
 from capsjax import routing
@@ -43,7 +44,7 @@ def test_cpu_convs_equal_direct_in_values_and_gradients(
                (width - kernel_size) // stride + 1, 4)
   cotangent = random_normal(2, out_shape)
   out = assert_equals_direct(
-      lambda x, k: lowerings.conv2d(x, k, stride, impl=impl),
+      lambda x, k: lowerings.conv2d(x, k, stride, lowering=impl),
       lambda x, k: direct_conv(x, k, stride), x, kernel, cotangent)
   chex.assert_shape(out, out_shape)
 
@@ -63,7 +64,7 @@ def test_conv2d_gradients_of_an_empty_batch(impl, stride):
   """The fusion boundary of the kernel gradient is keyed on an array that
   may be empty; the gradients then are those of XLA's convolution."""
   x, kernel = jnp.zeros((0, 8, 8, 4)), random_normal(1, (3, 3, 4, 2))
-  grads = jax.grad(lambda x, k: lowerings.conv2d(x, k, stride, impl=impl).sum(),
+  grads = jax.grad(lambda x, k: lowerings.conv2d(x, k, stride, lowering=impl).sum(),
                    argnums=(0, 1))(x, kernel)
   chex.assert_shape(grads, [(0, 8, 8, 4), (3, 3, 4, 2)])
   np.testing.assert_array_equal(grads[1], 0.0)
@@ -117,7 +118,7 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
                              rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('impl', lowerings.CONV_IMPLS)
+@pytest.mark.parametrize('impl', lowerings.LOWERINGS)
 @pytest.mark.parametrize('padding', ['VALID', 'SAME'])
 @pytest.mark.parametrize('stride', [1, 2])
 def test_conv2d_impls_and_padding(impl, padding, stride):
@@ -125,7 +126,7 @@ def test_conv2d_impls_and_padding(impl, padding, stride):
   kernel = random_normal(1, (5, 5, 3, 4), 0.2)
   cotangent = random_normal(2, direct_conv(x, kernel, stride, padding).shape)
   if impl.startswith('onednn') and not onednn.available():
-    with pytest.raises(ValueError, match=f"conv_impl='{impl}': oneDNN is"):
+    with pytest.raises(ValueError, match=f"lowering='{impl}': oneDNN is"):
       lowerings.conv2d(x, kernel, stride, padding, impl)
     return
   assert_equals_direct(
@@ -249,8 +250,10 @@ def test_batch_norm_module_updates_its_statistics_only_in_training():
 
 def test_conv2d_rejects_bad_arguments():
   x, kernel = jnp.zeros((1, 8, 8, 3)), jnp.zeros((3, 3, 3, 2))
-  with pytest.raises(ValueError, match='conv_impl'):
-    lowerings.conv2d(x, kernel, 2, impl='fft')
+  with pytest.raises(ValueError, match='lowering'):
+    lowerings.conv2d(x, kernel, 2, lowering='fft')
+  with pytest.raises(ValueError, match="conv2d's implementations"):
+    kernels.conv2d(x, kernel, 2, implementation='pallas')
   with pytest.raises(ValueError, match='padding'):
     lowerings.conv2d(x, kernel, 2, padding='FULL')
   with pytest.raises(ValueError, match='kernel'):
@@ -261,8 +264,8 @@ def test_conv2d_rejects_bad_arguments():
     lowerings.patches_conv(x, jnp.zeros((9, 9, 3, 2)))
   with pytest.raises(ValueError, match='larger than the input'):
     lowerings.taps_conv(x, jnp.zeros((9, 9, 3, 2)), 2)
-  with pytest.raises(ValueError, match='conv_impl'):
-    layers.Conv2D(3, 4, 3, 2, conv_impl='fft', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='implementation'):
+    layers.Conv2D(3, 4, 3, 2, implementation='pallas', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='positive'):
     layers.Conv2D(3, -4, 3, rngs=nnx.Rngs(0))
 
@@ -591,7 +594,7 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):
 
     def loss_and_grads(window_chunk):
       def loss(poses, acts, *params):
-        out_poses, out_acts, assignments = matrix_capsules.conv_capsule_routing(
+        out_poses, out_acts, assignments = kernels.conv_capsule_routing(
             poses, acts, *params, stride=2, window_chunk=window_chunk,
             **options)
         return (jnp.sum(jnp.sin(out_poses) * out_acts[..., None, None])
@@ -606,7 +609,7 @@ def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):
                                   atol=1e-12)
     # Chunked gradients match finite differences (jitted: one compilation
     # for every difference, not one per operation).
-    check_grads(jax.jit(lambda p, a, w: matrix_capsules.conv_capsule_routing(
+    check_grads(jax.jit(lambda p, a, w: kernels.conv_capsule_routing(
         p, a, w, *params[1:], stride=2, window_chunk=chunks[0], **options)[:2]),
                 (jnp.asarray(poses), jnp.asarray(acts), params[0]), order=1,
                 modes=['rev'], atol=1e-4, rtol=1e-4)

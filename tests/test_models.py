@@ -77,7 +77,7 @@ def test_registry_lists_every_model_with_a_family():
     ('two_digit_capsnet', {'capsule_dim': -1}, 'capsule_dim must be'),
     ('capsnet', {'decoder_widths': (512, 0)}, 'decoder_widths'),
     ('capsnet', {'input_shape': (8, 8, 1)}, 'larger than the input'),
-    ('capsnet', {'conv_impl': 'fft'}, 'conv_impl'),
+    ('capsnet', {'implementation': 'fft'}, 'implementation must be'),
     ('baseline_cnn', {'fc_widths': (328, -1)}, 'fc_widths'),
     ('baseline_cnn', {'dropout_rate': 1.5}, 'dropout_rate'),
     ('matrix_capsnet', {'input_shape': (16, 16, 1)}, 'larger than the input'),

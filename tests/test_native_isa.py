@@ -49,7 +49,8 @@ def test_cifar10_smoke_trains_with_avx2_kernels(tmp_path):
   # The header and the summary name the kernels that ran.
   assert 'oneDNN (float32 by avx2 kernels' in summary['conv_backend']
   assert summary['conv_backend'] in output
-  assert summary['em_routing'] is None  # no conv capsules in a CapsNet
+  # no conv capsules in a CapsNet
+  assert 'conv_capsule_routing' not in summary['implementations']
 
 
 def _em_status(cache, env):

@@ -23,10 +23,10 @@ import pytest
 from flax import nnx
 
 from capsjax import families
+from capsjax import kernels
 from capsjax import layers
 from capsjax import losses
 from capsjax import models
-from capsjax.kernels.conv import lowerings
 
 # ----------------------------------------------------------------------------
 # The reference, float64, in the official code's layout.
@@ -287,7 +287,7 @@ def test_text_form_differs_from_the_official_one_by_its_coupling():
   leaky.conv.kernel[...] = kernel
   leaky.conv.bias[...] = bias
   assert official.coupling == 1 / 4 and leaky.coupling == 1 / 5
-  conv = np.asarray(lowerings.conv2d(x, kernel, 2)).reshape(2, -1, 8)
+  conv = np.asarray(kernels.conv2d(x, kernel, 2)).reshape(2, -1, 8)
   bias = bias.reshape(-1, 8)
   tiled = np.tile(bias, (conv.shape[1] // 4, 1))[None]
   for layer, scale in ((official, 1 / 4), (leaky, 1 / 5), (text, 1.0)):

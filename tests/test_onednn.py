@@ -1,7 +1,7 @@
 """oneDNN's convolutions through XLA FFI (kernels.conv.onednn, the `onednn` extra).
 
 Skipped only where the extra's wheels are not installed or the user turned
-the path off (CAPSJAX_ONEDNN=0); otherwise the handlers must build and load
+the path off; otherwise the handlers must build and load
 (the README's test command installs them).
 """
 
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from capsjax import kernels
 from capsjax.kernels.conv import lowerings
 from capsjax.kernels.conv import onednn
 from tests.conftest import REPO
@@ -25,9 +26,8 @@ from tests.helpers import output_and_grads
 from tests.helpers import random_normal
 
 pytestmark = pytest.mark.skipif(
-    not onednn.wheels_installed() or os.environ.get('CAPSJAX_ONEDNN') == '0',
-    reason="oneDNN's wheels are not installed (pip install -e '.[onednn]') "
-    'or CAPSJAX_ONEDNN=0')
+    not onednn.wheels_installed(),
+    reason="oneDNN's wheels are not installed (pip install -e '.[onednn]')")
 
 
 def test_builds_and_loads_where_installed():
@@ -105,7 +105,7 @@ def test_default_cpu_conv_is_onednn_and_equals_direct(
     shape, kernel_shape, stride, padding, targets):
   x = random_normal(0, shape)
   kernel = random_normal(1, kernel_shape, 0.1)
-  conv = lambda x, k: lowerings.conv2d(x, k, stride, padding)
+  conv = lambda x, k: kernels.conv2d(x, k, stride, padding)
   direct = lambda x, k: direct_conv(x, k, stride, padding)
   cotangent = random_normal(2, jax.eval_shape(direct, x, kernel).shape)
   hlo = jax.jit(output_and_grads, static_argnums=0).lower(
@@ -124,12 +124,14 @@ def test_conv2d_keeps_other_lowerings_where_onednn_does_not_apply(case, impl):
   x = jnp.zeros((0 if case == 'empty' else 2, 8, 8, 16),
                 jnp.float16 if case == 'float16' else jnp.float32)
   kernel = jnp.zeros((3, 3, 16, 4), x.dtype)
-  assert 'Onednn' not in jax.jit(lowerings.conv2d).lower(x, kernel).as_text()
-  assert lowerings.conv2d(x, kernel).shape == jax.eval_shape(
+  assert 'Onednn' not in jax.jit(kernels.conv2d).lower(x, kernel).as_text()
+  assert kernels.conv2d(x, kernel).shape == jax.eval_shape(
       lambda x, k: direct_conv(x, k, 1), x, kernel).shape
   with pytest.raises(ValueError,
-                     match=f"conv_impl='{impl}' takes float32 or bfloat16"):
-    lowerings.conv2d(x, kernel, impl=impl)
+                     match=f"lowering='{impl}': it takes float32 or bfloat16"):
+    lowerings.conv2d(x, kernel, lowering=impl)
+  with pytest.raises(ValueError, match="implementation='native' cannot take"):
+    kernels.conv2d(x, kernel, implementation='native')
 
 
 def test_degenerate_inputs_give_finite_values_and_gradients():
@@ -148,26 +150,35 @@ def test_degenerate_inputs_give_finite_values_and_gradients():
 def test_vmap_and_a_train_step_of_a_conv_layer():
   x = random_normal(0, (3, 2, 6, 6, 16))
   kernel = random_normal(1, (3, 3, 16, 4), 0.1)
-  batched = jax.vmap(lambda x: lowerings.conv2d(x, kernel))(x)
+  batched = jax.vmap(lambda x: kernels.conv2d(x, kernel))(x)
   np.testing.assert_allclose(
       batched, jax.vmap(lambda x: direct_conv(x, kernel, 1))(x), rtol=1e-5,
       atol=1e-5)
-  loss = lambda k: jnp.sum(jnp.tanh(lowerings.conv2d(x[0], k)))
+  loss = lambda k: jnp.sum(jnp.tanh(kernels.conv2d(x[0], k)))
   np.testing.assert_allclose(
       jax.grad(loss)(kernel),
       jax.grad(lambda k: jnp.sum(jnp.tanh(direct_conv(x[0], k, 1))))(kernel),
       rtol=1e-5, atol=1e-5)
 
 
-def test_turned_off_by_the_environment():
+def test_forced_to_xla_by_the_environment():
+  """CAPSJAX_IMPLEMENTATION=xla: the default is XLA's convolution (oneDNN
+  stays built); a named 'native' still runs oneDNN's."""
   code = ('import json, jax, jax.numpy as jnp\n'
-          'from capsjax.kernels.conv import lowerings, onednn\n'
+          'from capsjax import kernels\n'
+          'from capsjax.kernels import implementations\n'
+          'from capsjax.kernels.conv import onednn\n'
           'x = jnp.zeros((2, 8, 8, 16)); k = jnp.zeros((3, 3, 16, 4))\n'
-          'hlo = jax.jit(lowerings.conv2d).lower(x, k).as_text()\n'
-          'print(json.dumps([onednn.available(), onednn.status(), '
-          "'Onednn' in hlo]))\n")
-  env = dict(os.environ, CAPSJAX_ONEDNN='0', JAX_PLATFORMS='cpu')
+          'with implementations.recording() as choices:\n'
+          '  hlo = jax.jit(kernels.conv2d).lower(x, k).as_text()\n'
+          'native = jax.jit(lambda x, k: kernels.conv2d(\n'
+          "    x, k, implementation='native')).lower(x, k).as_text()\n"
+          'print(json.dumps([onednn.available(), "Onednn" in hlo,\n'
+          '  "Onednn" in native, implementations.describe(choices)]))\n')
+  env = dict(os.environ, CAPSJAX_IMPLEMENTATION='xla', JAX_PLATFORMS='cpu')
   result = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=env,
                           capture_output=True, text=True, check=True)
-  available, status, in_hlo = json.loads(result.stdout.strip().splitlines()[-1])
-  assert not available and status == 'off (CAPSJAX_ONEDNN=0)' and not in_hlo
+  available, in_hlo, in_native, choices = json.loads(
+      result.stdout.strip().splitlines()[-1])
+  assert available and not in_hlo and in_native
+  assert choices == {'conv2d': 'xla (1 call; CAPSJAX_IMPLEMENTATION=xla)'}

@@ -15,7 +15,6 @@ BF16_EPS * (sum of |terms|) per tap: their bound is taps * BF16_EPS *
 (sum of |terms|) on top of the same.
 """
 
-import os
 
 import flax.nnx as nnx
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from capsjax import kernels
 from capsjax import losses
 from capsjax import models
 from capsjax.kernels import conv
@@ -39,9 +39,8 @@ BF16_EPS = 2.0**-8
 ACCUMULATION = 2.0**-14
 
 pytestmark = pytest.mark.skipif(
-    not onednn.wheels_installed() or os.environ.get('CAPSJAX_ONEDNN') == '0',
-    reason="oneDNN's wheels are not installed (pip install -e '.[onednn]') "
-    'or CAPSJAX_ONEDNN=0')
+    not onednn.wheels_installed(),
+    reason="oneDNN's wheels are not installed (pip install -e '.[onednn]')")
 
 _TARGETS = ('OnednnConvForward', 'OnednnConvInputGrad', 'OnednnConvKernelGrad')
 
@@ -93,7 +92,7 @@ def _check_against_reference(x_shape, kernel_shape, stride, padding,
           _pads(x_shape[2], kernel_shape[1], stride, padding))
   out_shape = onednn.output_shape(x_shape, kernel_shape, stride, pads)
   cotangent, dy64 = _bf16(2, out_shape)
-  fn = lambda x, k: lowerings.conv2d(x, k, stride, padding)
+  fn = lambda x, k: kernels.conv2d(x, k, stride, padding)
   run = jax.jit(output_and_grads, static_argnums=0)
   out, (gx, gk) = run(fn, x, kernel, cotangent)
   assert out.dtype == gx.dtype == gk.dtype == jnp.bfloat16
@@ -229,18 +228,16 @@ def test_without_native_bfloat16_the_convolutions_stay_xla(monkeypatch):
                                    partial_sums=3 * 2)
     assert 'Onednn' not in hlo
   x = jnp.zeros((2, 8, 8, 16))
-  f32_hlo = jax.jit(lowerings.conv2d).lower(x, jnp.zeros((3, 3, 16, 4)))
+  f32_hlo = jax.jit(kernels.conv2d).lower(x, jnp.zeros((3, 3, 16, 4)))
   assert 'OnednnConvForward' in f32_hlo.as_text()
 
 
-def test_turned_off_by_the_environment(monkeypatch):
+def test_forced_to_xla_by_the_environment(monkeypatch):
   if not onednn.available():
     pytest.skip(f'oneDNN is {onednn.status()}')
-  monkeypatch.setenv('CAPSJAX_ONEDNN_BF16', '0')
-  assert onednn.bf16_status() == (
-      False, 'XLA: oneDNN bfloat16 off (CAPSJAX_ONEDNN_BF16=0)')
+  monkeypatch.setenv('CAPSJAX_IMPLEMENTATION', 'xla')
   x = jnp.zeros((2, 8, 8, 16), jnp.bfloat16)
-  hlo = jax.jit(lowerings.conv2d).lower(x, jnp.zeros((3, 3, 16, 4), x.dtype))
+  hlo = jax.jit(kernels.conv2d).lower(x, jnp.zeros((3, 3, 16, 4), x.dtype))
   assert 'Onednn' not in hlo.as_text()
 
 

@@ -22,13 +22,14 @@ from flax import nnx
 
 from benchmarks import kernel_bench
 from benchmarks import routing_kernels
+from capsjax import kernels
 from capsjax import layers
 from capsjax import routing
 from capsjax.kernels import pallas_dynamic
 
 # Interpreted on purpose here: the warning that says so is tested once.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:routing impl='pallas' without a GPU")
+    "ignore:implementation='pallas' without a GPU")
 
 BLOCK = 4
 SHAPE = (2, 7, 3, 5)  # [B, I, O, D]
@@ -174,16 +175,18 @@ def test_float64_values_and_gradients(variant):
 
 
 # ----------------------------------------------------------------------------
-# float32 and bfloat16, leading batch dims, routing.dynamic_routing's impl.
+# float32 and bfloat16, leading batch dims, kernels.dynamic_routing's
+# implementation.
 
 
 def _through_impl(votes, num_iterations, **options):
-  return routing.dynamic_routing(votes, num_iterations, impl='pallas',
-                                 **options)
+  return kernels.dynamic_routing(votes, num_iterations,
+                                 implementation='pallas', **options)
 
 
 def test_float32_leading_dims_through_impl():
-  """[2, 2, I, O, D] votes, a bias broadcast over the batch, impl='pallas'
+  """[2, 2, I, O, D] votes, a bias broadcast over the batch,
+  implementation='pallas'
   (default block: one masked block for I = 7)."""
   num_iterations, options, votes, bias, weights = inputs(
       'leaky_bias', (2, 2) + SHAPE[1:], np.float32)
@@ -338,8 +341,9 @@ def test_kernels_lower_to_triton_for_cuda(shape, dtype, variant):
 
 def test_bad_arguments_and_empty_batch():
   votes = np.zeros(SHAPE, np.float32)
-  with pytest.raises(ValueError, match="impl must be None, 'xla' or 'pallas'"):
-    routing.dynamic_routing(votes, 3, impl='triton')
+  with pytest.raises(ValueError, match="implementation must be None .* "
+                     r"\('xla', 'pallas'\)"):
+    kernels.dynamic_routing(votes, 3, implementation='triton')
   with pytest.raises(ValueError, match='block_inputs must be a power of two'):
     pallas_dynamic.dynamic_routing(votes, 3, block_inputs=24)
   with pytest.raises(ValueError, match='num_iterations'):
@@ -351,17 +355,17 @@ def test_bad_arguments_and_empty_batch():
   assert outputs.shape == (0, 3, 5) and coupling.shape == (0, 7, 3)
 
 
-def test_dense_capsules_routing_impl():
-  """The layer's routing_impl reaches routing.dynamic_routing (traced only:
-  the kernels' values are tested above)."""
+def test_dense_capsules_implementation():
+  """The layer's implementation reaches kernels.dynamic_routing (traced
+  only: the kernels' values are tested above)."""
   def jaxpr(impl):
-    layer = layers.DenseCapsules(7, 4, 3, 5, routing_impl=impl,
+    layer = layers.DenseCapsules(7, 4, 3, 5, implementation=impl,
                                  rngs=nnx.Rngs(params=0))
     return str(jax.make_jaxpr(layer)(jnp.zeros((2, 7, 4))))
 
   assert 'pallas_call' in jaxpr('pallas')
   assert 'pallas_call' not in jaxpr(None)
-  with pytest.raises(ValueError, match='routing_impl must be None'):
+  with pytest.raises(ValueError, match='implementation must be None'):
     jaxpr('cuda')
 
 
@@ -396,19 +400,27 @@ def test_paper_kernel_compiles_to_sm80_without_spills(tmp_path):
 
 
 def test_the_paper_configs_select_the_kernels_by_flag():
-  """--config.model_options.routing_impl=pallas reaches a model option of
-  that name (a typed key: ml_collections refuses unknown keys)."""
+  """--config.model_options.implementation=pallas reaches a model option
+  of that name (a typed key: ml_collections refuses unknown keys), and the
+  model routes with the Pallas kernels and convolves with its default."""
   from capsjax import models
   from experiments.configs import capsnet_mnist
   from experiments.configs import matrix_capsnet_mnist
   for module in (capsnet_mnist, matrix_capsnet_mnist):
     for variant in ('', 'smoke'):
       config = module.get_config(variant)
-      assert config.model_options.routing_impl is None
-      assert 'routing_impl' in models.model_options(config.model)
-      config.model_options.routing_impl = 'pallas'
+      assert config.model_options.implementation is None
+      assert 'implementation' in models.model_options(config.model)
+      config.model_options.implementation = 'pallas'
       with pytest.raises(TypeError):
-        config.model_options.routing_impl = 3
+        config.model_options.implementation = 3
+  model = models.create_model('capsnet', rngs=nnx.Rngs(0), conv1_channels=8,
+                              primary_types=2, reconstruction=False,
+                              implementation='pallas')
+  assert model.digit.implementation == 'pallas'
+  assert model.conv1.implementation is None
+  with pytest.raises(ValueError, match="one of capsjax's implementations"):
+    models.create_model('capsnet', rngs=nnx.Rngs(0), implementation='cuda')
 
 
 def test_the_interpreter_is_said_when_no_gpu_chose_it():

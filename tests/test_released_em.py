@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from capsjax import kernels
 from capsjax import layers
 from capsjax import models
 from capsjax import routing
-from capsjax.routing import matrix_capsules
 from capsjax.routing import votes as votes_lib
 
 LOG_2PI = math.log(2 * math.pi)
@@ -242,7 +242,7 @@ def test_released_conv_routing(stride, true_stride, num_iterations):
   lambdas = _lambdas(num_iterations)
 
   def ours(poses, acts, weights, beta_a, beta_u):
-    out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
+    out_poses, out_acts, _ = kernels.conv_capsule_routing(
         poses, acts, weights, beta_u, beta_a, stride=stride,
         num_iterations=num_iterations, inverse_temperature=lambdas,
         true_stride=true_stride, em_routing=routing.RELEASED_EM)
@@ -340,7 +340,7 @@ def test_released_routing_is_finite_on_degenerate_inputs():
   betas = np.zeros(3, np.float32)
 
   def loss(poses, acts, weights):
-    out_poses, out_acts, _ = matrix_capsules.conv_capsule_routing(
+    out_poses, out_acts, _ = kernels.conv_capsule_routing(
         poses, acts, weights, betas, betas, stride=2, num_iterations=3,
         inverse_temperature=_lambdas(3), em_routing=routing.RELEASED_EM)
     return jnp.sum(out_poses) + jnp.sum(out_acts)
@@ -502,7 +502,7 @@ def test_released_coordinate_form_adds_the_authors_pixel_centres(
     seen.append(np.asarray(votes))
     return em_routing(votes, *args, **kwargs)
 
-  monkeypatch.setattr(routing, 'em_routing', spy)
+  monkeypatch.setattr(routing.em, 'em_routing', spy)
   model(np.random.default_rng(0).uniform(size=(2, 32, 40, 1)).astype(
       np.float32))
   votes = seen[-1].reshape(2, 4, 6, 2, 3, 16)  # rows, cols, types, classes

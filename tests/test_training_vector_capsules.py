@@ -476,10 +476,10 @@ def test_rerun_with_another_config_is_checked_before_anything_is_written(
   assert summary['steps'] == 6
   # Another implementation of the same parameters: accepted and said.
   other_impl = tiny_config(tiny_mnist, num_train_steps=7, learning_rate=5e-3)
-  other_impl.model_options.routing_impl = 'xla'
+  other_impl.model_options.implementation = 'xla'
   summary = vector_capsules.train_and_evaluate(other_impl, str(workdir))
   out = capsys.readouterr().out
-  assert ('Changed from the stored config: model_options.routing_impl None '
+  assert ('Changed from the stored config: model_options.implementation None '
           "-> 'xla'; num_train_steps 6 -> 7.") in out, out
   assert summary['steps'] == 7
 

@@ -19,10 +19,9 @@ functions of ``capsjax.kernels``, the layers, the models, the configs'
 A named implementation that cannot take a case raises ``ValueError``
 saying why. In a model, a named implementation applies to each of the
 model's operations that has it (``'pallas'`` routes with Pallas and leaves
-the convolutions to their default); a model none of whose operations has
-it is an error. The one environment switch, ``CAPSJAX_IMPLEMENTATION=xla``,
-makes every ``None`` choose XLA (for debugging: the portable path
-everywhere); named implementations are kept.
+the convolutions to their default). The one environment switch,
+``CAPSJAX_IMPLEMENTATION=xla``, makes every ``None`` choose XLA (for
+debugging: the portable path everywhere); named implementations are kept.
 
 Each choice made for ``None``, and why a faster implementation could not
 take the case, is recorded inside ``recording()``; the training loop
@@ -71,19 +70,6 @@ def check(implementation, op: str | None = None,
     raise ValueError(
         f'{name} must be None (the fastest available) or one of {what}\'s '
         f'implementations {allowed}, got {implementation!r}.')
-
-
-def check_for_model(implementation, ops: tuple[str, ...], model: str) -> None:
-  """ValueError unless ``implementation`` is None or a name that at least
-  one of the model's operations ``ops`` has."""
-  check(implementation)
-  if implementation is not None and not any(
-      implementation in OPS[op] for op in ops):
-    offered = sorted({name for op in ops for name in OPS[op]})
-    raise ValueError(
-        f'implementation={implementation!r}: none of {model}\'s operations '
-        f'({", ".join(ops)}) has it; its implementations are {offered} '
-        f'(or None).')
 
 
 def for_op(implementation, op: str) -> str | None:

@@ -471,8 +471,8 @@ def default_lowering(x: jax.Array, kernel: jax.Array, stride: int,
                                 bfloat16=x.dtype == jnp.bfloat16)
 
 
-def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int, padding: str,
-           lowering: str) -> jax.Array:
+def conv2d(x: ArrayLike, kernel: ArrayLike, stride: int = 1,
+           padding: str = 'VALID', lowering: str = 'direct') -> jax.Array:
   """2-D convolution, NHWC, by the named lowering (``capsjax.kernels.conv2d``
   chooses one; benchmarks and tests name them).
 
