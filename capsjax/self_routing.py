@@ -70,7 +70,8 @@ def _compute_dtype(x: jax.Array) -> jnp.dtype:
 
 
 def check_epsilon(epsilon: float) -> None:
-  if not (isinstance(epsilon, (int, float)) and epsilon > 0.0):
+  if (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
+      or not epsilon > 0.0):
     raise ValueError(f'epsilon must be a positive number (the floor of the '
                      f'divisors), got {epsilon!r}.')
 

@@ -271,7 +271,7 @@ def test_bad_shapes_and_dtypes_raise():
     sr.self_routing(votes, acts, logits[..., :-1])
   with pytest.raises(TypeError, match='floating point'):
     sr.self_routing(votes.astype(jnp.int32), acts, logits)
-  for epsilon in (0.0, -1e-6, None):
+  for epsilon in (0.0, -1e-6, None, True):
     with pytest.raises(ValueError, match='epsilon'):
       sr.uniform_routing(votes, acts, epsilon=epsilon)
   with pytest.raises(ValueError, match='do not match'):
