@@ -449,3 +449,88 @@ __all__ += (
     'inverted_dot_product_routing_cost',
     'self_attention_routing_cost',
 )
+
+
+# ----------------------------------------------------------------------------
+# Self-routing (capsjax.self_routing). Backward, as the attention routings':
+# 2x the forward flops.
+
+
+def self_routing_flops(num_in: int, num_out: int, dim: int, *,
+                       in_dim: int | None = None,
+                       uniform: bool = False) -> tuple[int, int]:
+  """(flops, transcendentals) of self-routing for one example.
+
+  With I = ``num_in``, O = ``num_out``, D = ``dim``:
+
+    routing networks W_i u_i + b_i [I, O]: 2*I*Din*O + I*O (with ``in_dim``
+                                    = Din: the logits made from the poses)
+    softmax_O(logits) [I, O]:       4*I*O flops, I*O exp (not ``uniform``)
+    w = c * a [I, O]:               I*O
+    mass_j = sum_i w [O]:           I*O
+    a_j = mass / max(sum_i a, eps): I + 1 + O
+    u_j = sum_i w u_hat [O, D]:     2*I*O*D
+    / max(mass, eps):               O*D + O
+
+  Total: 2IOD + OD + 6IO + I + 2O + 1 flops and IO transcendentals
+  (``uniform``: 4IO flops and the IO exp fewer).
+  """
+  i_o, o_d, i_o_d = num_in * num_out, num_out * dim, num_in * num_out * dim
+  flops = 2 * i_o_d + o_d + 2 * i_o + num_in + 2 * num_out + 1
+  transcendentals = 0
+  if not uniform:
+    flops += 4 * i_o
+    transcendentals += i_o
+  if in_dim is not None:
+    flops += 2 * num_in * in_dim * num_out + i_o
+  return flops, transcendentals
+
+
+def self_routing_cost(votes_shape: Sequence[int], *,
+                      in_dim: int | None = None, uniform: bool = False,
+                      dtype_bytes: int = 4, backward: bool = False) -> Cost:
+  """Cost of ``self_routing.self_routing(votes, activations, logits)``
+  (``uniform``: of ``self_routing.uniform_routing(votes, activations)``).
+
+  flops = N * self_routing_flops(I, O, D), transcendentals = N * I*O (0 with
+  ``uniform``). With ``in_dim`` (Din) the count adds the routing networks,
+  ``self_routing_logits`` of the child poses [..., I, Din]: the part of a
+  self-routing layer that the other routings do not have.
+  bytes = votes N*I*O*D*b + activations N*I*4 + logits N*I*O*4 (with
+  ``in_dim``: poses N*I*Din*b and the networks' I*(Din + 1)*O*4 instead;
+  neither with ``uniform``) + poses N*O*D*b + activations N*O*4 + coupling
+  N*I*O*4. One pass over the votes: ``streaming_bytes`` = ``bytes``.
+  ``backward``: 3x the forward flops.
+
+  Args:
+    votes_shape: [..., I, O, D].
+    in_dim: the child pose dimension Din, to count the routing networks.
+    uniform: count ``uniform_routing`` (no routing networks: ``in_dim`` is
+      ignored).
+    dtype_bytes: bytes per vote element (and per pose).
+    backward: count forward + the gradients of the votes, the activations
+      and the logits (or poses and networks).
+  """
+  n, num_in, num_out, dim = _split_votes_shape(votes_shape)
+  in_dim = None if uniform else in_dim
+  if in_dim is not None and (not isinstance(in_dim, int) or in_dim < 1):
+    raise ValueError(f'in_dim must be None or a positive int, got {in_dim!r}.')
+  flops, transcendentals = self_routing_flops(num_in, num_out, dim,
+                                              in_dim=in_dim, uniform=uniform)
+  i_o = num_in * num_out
+  routing_inputs = 0
+  if in_dim is not None:
+    routing_inputs = n * num_in * in_dim * dtype_bytes + i_o * (in_dim + 1) * 4
+  elif not uniform:
+    routing_inputs = n * i_o * 4
+  nbytes = (n * i_o * dim * dtype_bytes + n * num_in * 4 + routing_inputs
+            + n * num_out * dim * dtype_bytes + n * num_out * 4 + n * i_o * 4)
+  if backward:
+    return Cost(3 * n * flops, n * transcendentals, 2 * nbytes, 2 * nbytes)
+  return Cost(n * flops, n * transcendentals, nbytes, nbytes)
+
+
+__all__ += (
+    'self_routing_cost',
+    'self_routing_flops',
+)
