@@ -32,6 +32,8 @@ from capsjax.routing import squash
 from capsjax.routing.attention import efficient_squash
 from capsjax.routing.attention import inverted_dot_product_routing
 from capsjax.routing.attention import self_attention_routing
+from capsjax.routing.self_routing import self_routing
+from capsjax.routing.self_routing import uniform_routing
 from capsjax.routing.votes import conv_capsule_patches
 from capsjax.routing.votes import conv_parent_normalizer
 from capsjax.routing.votes import coordinate_addition
@@ -60,9 +62,11 @@ __all__ = (
     'reconstruction_loss',
     'safe_norm',
     'self_attention_routing',
+    'self_routing',
     'shared_vector_votes',
     'spread_loss',
     'spread_loss_margin',
     'squash',
+    'uniform_routing',
     'vector_votes',
 )

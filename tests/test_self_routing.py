@@ -24,8 +24,8 @@ from flax import nnx
 from jax.test_util import check_grads
 
 from capsjax import flops
-from capsjax import self_routing as sr
-from capsjax import self_routing_layers as srl
+from capsjax.layers import self_routing as srl
+from capsjax.routing import self_routing as sr
 from tests.helpers import random_normal
 
 DIMS = chex.Dimensions(B=2, I=5, O=3, D=4, E=6)

@@ -134,7 +134,7 @@ MUTATIONS = (
         ('tests/test_attention_routing.py',)),
     # Efficient-CapsNet's model and augmentation.
     Mutation(
-        'efficient_primary_capsules_strided', 'capsjax/layers.py',
+        'efficient_primary_capsules_strided', 'capsjax/layers/efficient.py',
         "    y = y.reshape(y.shape[0], -1, self.dim)  # [B, H'*W'*C/dim, dim]",
         '    y = y.reshape(y.shape[0], self.dim, -1).swapaxes(1, 2)',
         ('tests/test_efficient_capsnet.py::'

@@ -8,6 +8,8 @@
   dot-product attention routing;
 - ``matrix_capsules``: EM routing of matrix-capsule layers (conv capsule
   windows, chunked; class capsules with coordinate addition);
+- ``self_routing``: self-routing (Hahn et al. 2019) and uniform routing,
+  its no-routing control;
 - ``votes``: vote transforms, conv-capsule patches, coordinate addition.
 
 Everything here is how XLA computes it. How a routing runs on a given
@@ -17,6 +19,7 @@ which chooses an implementation by its ``implementation`` keyword.
 
 from capsjax.routing import attention
 from capsjax.routing import matrix_capsules
+from capsjax.routing import self_routing
 from capsjax.routing import votes
 from capsjax.routing.common import NORM_EPSILON
 from capsjax.routing.common import UNROLL_ITERATIONS
@@ -84,6 +87,7 @@ __all__ = (
     'inverse_temperatures',
     'matrix_capsules',
     'safe_norm',
+    'self_routing',
     'squash',
     'votes',
     'with_overrides',

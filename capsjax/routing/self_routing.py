@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from capsjax import routing
+from capsjax.routing.common import floating_array
 
 # The floor of both divisors, sum_i a_i and sum_i c_ij a_i: max(divisor,
 # MASS_FLOOR). Above it the equations are exact; below it (all children
@@ -80,7 +80,7 @@ def _checked_inputs(votes: ArrayLike, activations: ArrayLike
                     ) -> tuple[jax.Array, jax.Array]:
   """(votes, activations) as arrays; ValueError unless [..., I, O, D] and
   [..., I]."""
-  votes = routing.floating_array(votes, 'votes')
+  votes = floating_array(votes, 'votes')
   activations = jnp.asarray(activations)
   if votes.ndim < 3:
     raise ValueError(
@@ -212,7 +212,7 @@ def self_routing_logits(poses: ArrayLike, weights: ArrayLike,
   Returns:
     [..., I, O] routing logits, computed in float32 (float64 stays).
   """
-  poses = routing.floating_array(poses, 'poses')
+  poses = floating_array(poses, 'poses')
   weights, bias = jnp.asarray(weights), jnp.asarray(bias)
   num_in, in_dim = poses.shape[-2:] if poses.ndim >= 2 else (None, None)
   if (poses.ndim < 2 or weights.ndim != 3

@@ -1,9 +1,6 @@
-"""Flax NNX layers of self-routing (Hahn, Pyeon, Kim, NeurIPS 2019): they own
-the parameters and call ``capsjax.self_routing``.
-
-Shape legend as in ``capsjax.layers``: I input capsules, O output capsules,
-Din / Dout the input / output pose dimensions; ``...`` any leading batch
-dimensions.
+"""Self-routing layers (Hahn, Pyeon, Kim, NeurIPS 2019): they own the
+parameters and call ``capsjax.routing.self_routing`` (shape legend:
+``capsjax.layers``; ``...`` any leading batch dimensions).
 """
 
 from __future__ import annotations
@@ -15,8 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from capsjax import self_routing as sr
-from capsjax import votes as votes_lib
+from capsjax.layers.common import check_positive_int
+from capsjax.routing import self_routing as sr
+from capsjax.routing import votes as votes_lib
 
 COUPLINGS = ('self', 'uniform')
 
@@ -34,11 +32,6 @@ def authors_transform_init(key: jax.Array, shape, dtype=jnp.float32
   limit = math.sqrt(6.0 / (num_out * in_dim * out_dim))
   size = math.prod(shape)
   return jax.random.uniform(key, (size,), dtype, -limit, limit).reshape(shape)
-
-
-def _check_positive_int(name: str, value) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f'{name} must be a positive int, got {value!r}.')
 
 
 class SelfRoutingCapsules(nnx.Module):
@@ -68,7 +61,7 @@ class SelfRoutingCapsules(nnx.Module):
                transform_init=authors_transform_init, rngs: nnx.Rngs):
     for name, value in (('in_caps', in_caps), ('in_dim', in_dim),
                         ('out_caps', out_caps), ('out_dim', out_dim)):
-      _check_positive_int(name, value)
+      check_positive_int(name, value)
     if couplings not in COUPLINGS:
       raise ValueError(f'couplings must be one of {COUPLINGS}, got '
                        f'{couplings!r}.')
@@ -95,10 +88,3 @@ class SelfRoutingCapsules(nnx.Module):
                ) -> tuple[jax.Array, jax.Array]:
     out_poses, out_activations, _ = self.route(poses, activations)
     return out_poses, out_activations
-
-
-__all__ = (
-    'COUPLINGS',
-    'SelfRoutingCapsules',
-    'authors_transform_init',
-)
