@@ -183,7 +183,7 @@ def _run_row(summary: dict[str, Any], title: str, paper: str,
 
 def _training(name: str, title: str, paper: str, paper_spec: str,
               smoke_spec: str, smoke_overrides: tuple[str, ...] = (),
-              module: str = 'experiments.capsnet_mnist',
+              module: str = 'experiments.train',
               result: str = 'summary.json',
               paper_overrides: tuple[str, ...] = ()
               ) -> dict[str, Experiment]:
@@ -296,8 +296,7 @@ def _experiments(suite: str) -> list[Experiment]:
                 'capsnet_mnist.py:smoke'),
       _training('matrix_capsnet_mnist', 'Matrix capsules (A=B=C=D=32), MNIST',
                 '0.44%', 'matrix_capsnet_mnist.py',
-                'matrix_capsnet_mnist.py:smoke',
-                module='experiments.matrix_capsnet'),
+                'matrix_capsnet_mnist.py:smoke'),
   ]
   experiments = [entry[suite] for entry in entries]
   experiments.append(Experiment(
@@ -344,7 +343,7 @@ def _experiments(suite: str) -> list[Experiment]:
             # shows where it goes)
             f'--config.data_dir={options.smallnorb_dir or "SMALLNORB_DIR"}']
   experiments.append(Experiment(
-      'smallnorb', 'experiments.matrix_capsnet', smallnorb_args,
+      'smallnorb', 'experiments.train', smallnorb_args,
       'summary.json',
       lambda workdir: [_run_row(_read(os.path.join(workdir, 'summary.json')),
                                 'Matrix capsules, smallNORB', '1.8%')],
@@ -465,12 +464,12 @@ def _other_datasets(smoke: bool) -> list[Experiment]:
         title + (f' (reduced: {spec}{variant})' if smoke else ''), paper)]
 
   return [
-      Experiment('capsnet_smallnorb', 'experiments.capsnet_mnist',
+      Experiment('capsnet_smallnorb', 'experiments.train',
                  args('capsnet_smallnorb.py', 'smallnorb_dir',
                       'SMALLNORB_DIR'), 'summary.json',
                  single('CapsNet, smallNORB', '2.7%', 'capsnet_smallnorb.py'),
                  needs=needs('smallnorb_dir')),
-      Experiment('capsnet_svhn', 'experiments.capsnet_mnist',
+      Experiment('capsnet_svhn', 'experiments.train',
                  args('capsnet_svhn.py', 'svhn_dir', 'SVHN_DIR'),
                  'summary.json',
                  single('CapsNet, SVHN', '4.3%', 'capsnet_svhn.py'),

@@ -156,7 +156,7 @@ def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
              TINY_OPTIONS.items()],
            *[f'--config.{k}={v}' for k, v in _STEPS.items()],
            f'--config.data_dir={data_dir}']
-  command = [sys.executable, '-m', 'experiments.capsnet_mnist']
+  command = [sys.executable, '-m', 'experiments.train']
   env = conftest.training_env() | {'JAX_PLATFORMS': 'cpu'}
   port = _free_port()
   processes = [

@@ -37,7 +37,7 @@ def test_cifar10_smoke_trains_with_avx2_kernels(tmp_path):
   data = tmp_path / 'cifar'
   make_cifar10_release(data, n_per_batch=40, n_test=40)
   workdir = tmp_path / 'run'
-  result = _run(['-m', 'experiments.capsnet_mnist', f'--workdir={workdir}',
+  result = _run(['-m', 'experiments.train', f'--workdir={workdir}',
                  '--config=experiments/configs/capsnet_cifar10.py:smoke',
                  f'--config.data_dir={data}', '--config.validation_size=40',
                  '--config.num_train_steps=4', '--config.eval_every_steps=4'],

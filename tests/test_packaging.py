@@ -29,7 +29,7 @@ def test_wheel_ships_capsjax_only(tmp_path):
 
 def test_experiments_run_from_a_clone():
   out = subprocess.run(
-      [sys.executable, '-m', 'experiments.capsnet_mnist', '--helpfull'],
+      [sys.executable, '-m', 'experiments.train', '--helpfull'],
       cwd=REPO, capture_output=True, text=True, timeout=120)
   assert '--workdir' in out.stdout + out.stderr
 

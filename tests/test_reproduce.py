@@ -564,7 +564,7 @@ def test_list_prints_each_experiment_and_its_command(tmp_path):
   assert result.returncode == 0, result.stderr
   lines = result.stdout.strip().splitlines()
   assert lines[0] == 'capsnet_mnist: not started'
-  assert lines[1].startswith('  python -m experiments.capsnet_mnist '
+  assert lines[1].startswith('  python -m experiments.train '
                              f'--workdir={tmp_path}/capsnet_mnist')
   assert lines[2] == 'smallnorb: skipped: no --smallnorb_dir'
 

@@ -92,7 +92,7 @@ def test_nonfinite_message_from_the_command_line(tmp_path, norb_dir):
   config = os.path.join(REPO,
                         'experiments/configs/matrix_capsnet_smallnorb.py:smoke')
   out = subprocess.run(
-      [sys.executable, '-m', 'experiments.matrix_capsnet',
+      [sys.executable, '-m', 'experiments.train',
        f'--workdir={tmp_path}', f'--config={config}',
        f'--config.data_dir={norb_dir}', '--config.weight_decay=nan'],
       cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -338,7 +338,8 @@ def test_authors_variant_builds_the_released_codes_routing(module):
 
 def test_margin_follows_num_train_steps_on_the_command_line():
   out = subprocess.run(
-      [sys.executable, '-m', 'experiments.matrix_capsnet', '--config_help',
+      [sys.executable, '-m', 'experiments.train', '--config_help',
+       '--config=experiments/configs/matrix_capsnet_mnist.py',
        '--config.num_train_steps=600'], cwd=conftest.REPO, capture_output=True,
       text=True, timeout=120, env=conftest.training_env())
   assert out.returncode == 0, out.stderr
@@ -349,7 +350,7 @@ def test_config_help_reads_a_config_with_a_variant():
   """--config_help with FILE:VARIANT prints that variant's keys (it opened
   'FILE:VARIANT' as a file and crashed)."""
   out = subprocess.run(
-      [sys.executable, '-m', 'experiments.matrix_capsnet', '--config_help',
+      [sys.executable, '-m', 'experiments.train', '--config_help',
        '--config=experiments/configs/matrix_capsnet_mnist.py:smoke,authors',
        '--config.model_options.class_lambda_scale=0.5'], cwd=conftest.REPO,
       capture_output=True, text=True, timeout=120, env=conftest.training_env())

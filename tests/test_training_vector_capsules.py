@@ -38,7 +38,7 @@ from tests.helpers import tiny_flags
 from tests.helpers import write_tiny_mnist
 
 
-def _launch(workdir, config, *overrides, module='experiments.capsnet_mnist'):
+def _launch(workdir, config, *overrides, module='experiments.train'):
   return subprocess.Popen(
       [sys.executable, '-m', module, f'--workdir={workdir}',
        f'--config={config}', *overrides],
@@ -211,7 +211,7 @@ metrics_lib.MetricWriter.write = killing_write
 async_path.write_text = killing_write_text
 async_path.rename = killing_rename
 sys.argv[0] = 'capsnet_mnist'
-runpy.run_module('experiments.capsnet_mnist', run_name='__main__',
+runpy.run_module('experiments.train', run_name='__main__',
                  alter_sys=True)
 '''
 
@@ -618,7 +618,7 @@ async def full_disk(path, text, **kwargs):
   return await write_text(path, text, **kwargs)
 async_path.write_text = full_disk
 sys.argv[0] = 'capsnet_mnist'
-runpy.run_module('experiments.capsnet_mnist', run_name='__main__',
+runpy.run_module('experiments.train', run_name='__main__',
                  alter_sys=True)
 '''
 
@@ -692,7 +692,7 @@ def test_a_time_limited_run_says_so_and_a_finished_one_is_not_retrained(
 ])
 def test_a_wrong_key_or_config_says_what_there_is(tmp_path, args, message):
   out = subprocess.run(
-      [sys.executable, '-m', 'experiments.capsnet_mnist',
+      [sys.executable, '-m', 'experiments.train',
        f'--workdir={tmp_path / "w"}', *args], cwd=REPO, capture_output=True,
       text=True, timeout=120)
   assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -500,7 +500,7 @@ def test_a_second_training_process_exits_2_naming_the_first(tmp_path,
   on untouched and saves its checkpoint."""
   workdir = tmp_path / 'work'
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
-  command = [sys.executable, '-m', 'experiments.capsnet_mnist',
+  command = [sys.executable, '-m', 'experiments.train',
              f'--workdir={workdir}', f'--config={config}',
              *tiny_flags(tiny_data, num_train_steps=100000,
                           log_every_steps=10, eval_every_steps=100000)]
@@ -514,9 +514,9 @@ def test_a_second_training_process_exits_2_naming_the_first(tmp_path,
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1, second.stderr
     assert lines[0].startswith(f'error: WorkdirBusy: {workdir} is in use by '
-                               f'experiments.capsnet_mnist (pid '
+                               f'experiments.train (pid '
                                f'{first.pid} on '), lines[0]
-    _names_holder(lines[0], first.pid, 'experiments.capsnet_mnist')
+    _names_holder(lines[0], first.pid, 'experiments.train')
     assert ('wait for it to finish or stop it, then rerun (the lock frees '
             'itself when that process exits)') in lines[0]
     assert 'Resuming' not in second.stdout and 'Starting' not in second.stdout

@@ -1079,17 +1079,6 @@ def no_images_error(paths: Sequence[PathLike]) -> DataError:
                    f'JPEG, BMP, GIF, TIFF, WebP) found.')
 
 
-def list_image_files(paths: Sequence[PathLike]) -> tuple[list[Path], int]:
-  """The image files among ``paths`` (files, or folders searched
-  recursively), in order; and how many other files were ignored."""
-  found = find_image_files(paths)
-  if found.missing:
-    raise DataError(f'{found.missing[0]}: no such file or folder.')
-  if not found.files:
-    raise no_images_error(paths)
-  return found.files, found.ignored
-
-
 def read_image_files(files: Sequence[Path], options: ImageOptions
                      ) -> tuple[np.ndarray, list[Path], dict[str, Any]]:
   """Image files decoded as a model trained on ``options`` reads them.

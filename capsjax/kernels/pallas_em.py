@@ -72,8 +72,8 @@ _DIM = POSE_SIDE * POSE_SIDE
 # 16], are the largest value a program holds, in registers. At the paper's
 # conv capsule layers (288 children, O = 32, float32) Triton 3.8's build for
 # sm_80 takes 142 registers a thread and spills none with 8 (ptxas -v; 16:
-# 255 registers and spills; sm_90a: 148). Compile statistics only
-# (benchmarks/em_kernels.py --ptxas): not timed on a GPU.
+# 255 registers and spills; sm_90a: 148; benchmarks/em_kernels.py --ptxas).
+# Its speed on an H100: BENCHMARKS.md.
 CHILD_CHUNK = 8
 # The backward kernel holds more per chunk (the chunk's votes, their
 # cotangents and the E-step's temporaries): with 4 children it takes 242

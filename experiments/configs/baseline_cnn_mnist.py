@@ -1,6 +1,6 @@
 """The baseline CNN of Sabour et al. 2017 (35.4M parameters) on MNIST.
 
-  python -m experiments.capsnet_mnist --workdir=/tmp/baseline_mnist \\
+  python -m experiments.train --workdir=/tmp/baseline_mnist \\
       --config=experiments/configs/baseline_cnn_mnist.py
 
 Variants: smoke (narrow layers for CPU tests), fashion (Fashion-MNIST).

@@ -7,7 +7,7 @@
 Trains ``ensemble_size`` models that differ only in their seed (seed,
 seed + 1, ..), each in WORKDIR/model_I, then averages their class scores
 (the ``ensemble`` evaluator). One model alone:
-``python -m experiments.capsnet_mnist --workdir=W --config=<this file>``.
+``python -m experiments.train --workdir=W --config=<this file>``.
 
 CIFAR-10 cannot be downloaded on machines without internet: put the binary
 release (``data_batch_1.bin`` .. ``test_batch.bin``, as

@@ -1,6 +1,6 @@
 """CapsNet on Fashion-MNIST (same model and training as on MNIST).
 
-  python -m experiments.capsnet_mnist --workdir=/tmp/capsnet_fashion \\
+  python -m experiments.train --workdir=/tmp/capsnet_fashion \\
       --config=experiments/configs/capsnet_fashion_mnist.py
 
 Variants: smoke, norecon, iter1 (as capsnet_mnist.py).

@@ -1,6 +1,6 @@
 """CapsNet (Sabour et al. 2017) on MNIST: 3 routing iterations + reconstruction.
 
-  python -m experiments.capsnet_mnist --workdir=/tmp/capsnet_mnist \\
+  python -m experiments.train --workdir=/tmp/capsnet_mnist \\
       --config=experiments/configs/capsnet_mnist.py
 
 The default is the official code's model and loss (``form='official'``,

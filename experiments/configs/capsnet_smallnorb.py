@@ -1,6 +1,6 @@
 """CapsNet on smallNORB (Sabour et al. 2017, section 7: 2.7% test error).
 
-  python -m experiments.capsnet_mnist --workdir=/tmp/capsnet_norb \\
+  python -m experiments.train --workdir=/tmp/capsnet_norb \\
       --config=experiments/configs/capsnet_smallnorb.py \\
       --config.data_dir=/path/to/smallnorb
 

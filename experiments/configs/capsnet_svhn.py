@@ -1,6 +1,6 @@
 """CapsNet on SVHN (Sabour et al. 2017, section 7: 4.3% test error).
 
-  python -m experiments.capsnet_mnist --workdir=/tmp/capsnet_svhn \\
+  python -m experiments.train --workdir=/tmp/capsnet_svhn \\
       --config=experiments/configs/capsnet_svhn.py \\
       --config.data_dir=/path/to/svhn
 

@@ -1,7 +1,7 @@
 """Efficient-CapsNet (Mazzia, Salvetti, Chiaberge 2021) on MNIST, with the
 authors' training protocol.
 
-  python -m experiments.capsnet_mnist --workdir=/tmp/efficient_capsnet \\
+  python -m experiments.train --workdir=/tmp/efficient_capsnet \\
       --config=experiments/configs/efficient_capsnet_mnist.py
 
 The model is ``models.EfficientCapsNet`` (161,824 parameters and its

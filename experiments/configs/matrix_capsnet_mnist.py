@@ -1,6 +1,6 @@
 """Matrix capsules with EM routing (Hinton et al. 2018) on MNIST.
 
-  python -m experiments.matrix_capsnet --workdir=/tmp/em_mnist \\
+  python -m experiments.train --workdir=/tmp/em_mnist \\
       --config=experiments/configs/matrix_capsnet_mnist.py
 
 Variants: smoke (a small model, A=32, B=4, C=D=8, two EM iterations, on the

@@ -1,6 +1,6 @@
 """Matrix capsules with EM routing on smallNORB (Hinton et al. 2018, table 1).
 
-  python -m experiments.matrix_capsnet --workdir=/tmp/em_norb \\
+  python -m experiments.train --workdir=/tmp/em_norb \\
       --config=experiments/configs/matrix_capsnet_smallnorb.py \\
       --config.data_dir=/path/to/smallnorb
 

@@ -26,19 +26,9 @@ LOWERINGS = ('patches', 'narrow', 'taps', 'space_to_depth', 'direct',
 
 
 # ----------------------------------------------------------------------------
-# Convolution: a strided VALID convolution as space-to-depth + stride 1.
-#
-# XLA's CPU backward pass of a strided convolution is slow. Measured on the
-# 2-core development CPU (shared with other jobs, so noisy) for the PrimaryCaps
-# convolution: input [64, 20, 20, 256], kernel 9x9x256x256, stride 2, float32,
-# jit, gradient with respect to input and kernel; medians of 3 runs, two runs:
-#   direct lax.conv_general_dilated:  forward 1.3-1.6 s, forward+backward
-#                                     42-43 s (fastest single run 21.6 s)
-#   space-to-depth + stride-1 conv:   forward 0.8-1.7 s, forward+backward
-#                                     2.5-4.9 s
-# (another measurement: 0.78 s forward, 15.8 s backward direct, 2.4 s
-# backward rewritten). Outputs and gradients agree to float32 rounding
-# (tests/test_layers.py).
+# Convolution: a strided VALID convolution as space-to-depth + stride 1,
+# because XLA:CPU's backward pass of a strided convolution is slow (the
+# paper CapsNet's PrimaryCaps, measured: BENCHMARKS.md).
 
 
 def _conv_padding(size: int, kernel_size: int, stride: int, padding: str
