@@ -18,6 +18,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from capsjax.training import checkpoints
@@ -121,11 +122,13 @@ _STEPS = dict(TINY, batch_size=16, num_train_steps=4, eval_every_steps=4,
               checkpoint_every_steps=4, validation_size=32, eval_batch_size=32)
 
 
+@pytest.mark.slow
 def test_capsnet_trains_identically_on_1_2_8_devices(tmp_path):
   _assert_same_training(_train_on_1_2_8_devices(
       tmp_path, 'capsnet', TINY_OPTIONS, _STEPS), param_tolerance=1e-5)
 
 
+@pytest.mark.slow
 def test_matrix_capsnet_trains_identically_on_1_2_8_devices(tmp_path):
   _assert_same_training(_train_on_1_2_8_devices(
       # Two iterations (the smoke config routes once): the E-step too.
@@ -143,6 +146,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
   """`--distributed` (jax.distributed, gloo between CPU processes): two
   processes with one device each give the run of one process with two

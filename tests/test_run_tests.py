@@ -1,6 +1,7 @@
-"""tools/run_tests.py, the test command CI runs: the timed part at the
-caller's priority, the others beside it at a lower one, every failure
-reported."""
+"""tools/run_tests.py, the test command CI runs (the unit tier, then the
+native files as on an AVX2 CPU) and with --all the whole suite: the timed
+part at the caller's priority, the others beside it at a lower one, every
+failure reported."""
 
 import importlib.util
 import os
@@ -45,7 +46,7 @@ def fake_parts(tmp_path, monkeypatch):
   out.mkdir()
   monkeypatch.setattr(run_tests, 'PARTS', {
       name: ((str(test_file),), {'PART': name, 'OUT': str(out)})
-      for name in ('timed', 'unit', 'avx2')})
+      for name in ('timed', 'unit', 'avx2', 'slow')})
   return out
 
 
@@ -60,19 +61,19 @@ def test_the_timed_part_runs_beside_the_others_at_a_higher_priority(
   own = os.nice(0)
   timed = _recorded(fake_parts, 'timed')
   assert timed[0] == own and timed[1] == os.getsid(0)
-  for name in ('unit', 'avx2'):
+  for name in ('unit', 'avx2', 'slow'):
     nice, session, autogroup = _recorded(fake_parts, name)
     assert nice == min(19, own + run_tests.BACKGROUND_NICENESS), name
     assert session not in (os.getsid(0), timed[1]), name
     if autogroup != 'none':  # the session's own share lowered too
       assert int(autogroup) == run_tests.BACKGROUND_NICENESS, name
   printed = capfd.readouterr().out
-  assert 'unit passed, avx2 passed, timed passed' in printed
-  for name in ('timed', 'unit', 'avx2'):
+  assert 'unit passed, avx2 passed, slow passed, timed passed' in printed
+  for name in ('timed', 'unit', 'avx2', 'slow'):
     assert f'[{name}] exit status 0' in printed
   # Each part's pytest summary printed: the background parts' as it came,
   # the timed part's from its log.
-  assert printed.count('1 passed') == 3
+  assert printed.count('1 passed') == 4
   assert '1 passed' in (tmp_path / 'logs' / 'timed.log').read_text()
 
 
@@ -86,15 +87,32 @@ def test_a_failing_part_fails_the_run_and_the_others_still_run(
   printed = capfd.readouterr().out
   assert f'{failing} FAILED' in printed
   assert f'[{failing}] exit status 1' in printed
-  for name in ('timed', 'unit', 'avx2'):
+  for name in ('timed', 'unit', 'avx2', 'slow'):
     assert (fake_parts / f'{name}.started').exists(), name
 
 
 def test_serial_runs_every_part_at_the_callers_priority(fake_parts, tmp_path):
   # The timed part last, so it finds the unit part's record.
   assert run_tests.run(True, str(tmp_path / 'logs')) == 0
-  for name in ('unit', 'avx2', 'timed'):
+  for name in ('unit', 'avx2', 'slow', 'timed'):
     assert _recorded(fake_parts, name)[:2] == (os.nice(0), os.getsid(0))
+
+
+def test_ci_runs_the_unit_tier_then_the_native_files(fake_parts, tmp_path,
+                                                     capfd):
+  """Without --all: unit and avx2, one after the other, at the caller's
+  priority; neither the slow tier nor the timed run."""
+  assert run_tests.run(False, str(tmp_path / 'logs'), everything=False) == 0
+  for name in ('unit', 'avx2'):
+    assert _recorded(fake_parts, name)[:2] == (os.nice(0), os.getsid(0))
+  for name in ('slow', 'timed'):
+    assert not (fake_parts / f'{name}.started').exists(), name
+  assert 'unit passed, avx2 passed.' in capfd.readouterr().out
+
+
+def test_the_unit_tier_leaves_out_the_slow_tier():
+  assert run_tests.PARTS['unit'][0][:4] == ('-n', '2', '-m', 'not slow')
+  assert 'slow and not alone' in run_tests.PARTS['slow'][0]
 
 
 def test_the_readme_runs_it_and_the_native_files_exist():

@@ -1,18 +1,25 @@
-"""Run the whole test suite as CI does: its timed part beside the others.
+"""Run the test suite: what CI runs, or all of it with the slow tier.
 
-    python tools/run_tests.py            # what CI runs (README's test command)
-    python tools/run_tests.py --serial   # the same parts, one after another
+    python tools/run_tests.py                  # what CI runs (README's test command)
+    python tools/run_tests.py --all            # and the slow tier beside it
+    python tools/run_tests.py --all --serial   # every part, one after another
 
-The suite has three parts:
+The suite has four parts:
 
-- ``timed``: the reproduction suite's smoke run (the ``alone`` marker),
-  whose CapsNet and EM models must learn within a time limit;
-- ``unit``: every other test, on two pytest-xdist workers;
+- ``unit``: every test but the slow tier, on two pytest-xdist workers
+  (what a contributor runs after each change, ``pytest -n 2 -m "not
+  slow"``);
 - ``avx2``: the native code's test files again, with oneDNN held to AVX2
-  and the EM kernel built for x86-64-v2, as on an AVX2-only CPU.
+  and the EM kernel built for x86-64-v2, as on an AVX2-only CPU;
+- ``slow`` (``--all``): the long integration tests (training runs on 1, 2
+  and 8 devices and in two processes, experiments end to end), on two
+  workers;
+- ``timed`` (``--all``): the reproduction suite's smoke run (the ``alone``
+  marker), whose CapsNet and EM models must learn within a time limit.
 
-The timed part runs at the normal priority while the other two run one
-after the other beside it, in a session of their own at ``nice`` 19. On a
+CI runs ``unit`` and then ``avx2``. With ``--all`` the timed part runs at
+the normal priority while the others run one after the other beside it,
+in a session of their own at ``nice`` 19. On a
 2-core machine the smoke run alone keeps only part of the CPU busy (each
 of its experiments starts a process and compiles, mostly on one core); the
 others take the rest, while the smoke models' training keeps nearly all of
@@ -42,7 +49,8 @@ PYTEST = (sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider')
 # name -> (pytest arguments, extra environment)
 PARTS = {
     'timed': (('-m', 'alone', '-rP', '--durations=0'), {}),
-    'unit': (('-n', '2', '-m', 'not alone', '--durations=40'), {}),
+    'unit': (('-n', '2', '-m', 'not slow', '--durations=40'), {}),
+    'slow': (('-n', '2', '-m', 'slow and not alone', '--durations=20'), {}),
     'avx2': (('-n', '2', '--durations=20', *NATIVE_TEST_FILES),
              {'ONEDNN_MAX_CPU_ISA': 'AVX2',
               'CAPSJAX_NATIVE_ARCH': 'x86-64-v2'}),
@@ -96,12 +104,16 @@ def _finish(name: str, started: tuple) -> int:
   return returncode
 
 
-def run(serial: bool, log_dir: str) -> int:
+def run(serial: bool, log_dir: str, everything: bool = True) -> int:
   os.makedirs(log_dir, exist_ok=True)
   start = time.monotonic()
   statuses, started = {}, []
   try:
-    _run_parts(serial, log_dir, statuses, started)
+    if everything:
+      _run_parts(serial, log_dir, statuses, started)
+    else:
+      for name in ('unit', 'avx2'):
+        statuses[name] = _finish(name, _start(name, 0, started))
   except KeyboardInterrupt:
     # Ctrl-C reached the timed part (the terminal's process group); the
     # others are sessions of their own.
@@ -127,26 +139,29 @@ def run(serial: bool, log_dir: str) -> int:
 def _run_parts(serial: bool, log_dir: str, statuses: dict,
                started: list[subprocess.Popen]) -> None:
   if serial:
-    for name in ('unit', 'avx2', 'timed'):
+    for name in ('unit', 'avx2', 'slow', 'timed'):
       statuses[name] = _finish(name, _start(name, 0, started))
     return
   # The timed part's output waits in its log, so as not to interleave.
   timed = _start('timed', 0, started, os.path.join(log_dir, 'timed.log'))
-  for name in ('unit', 'avx2'):
+  for name in ('unit', 'avx2', 'slow'):
     statuses[name] = _finish(name, _start(name, BACKGROUND_NICENESS, started))
   statuses['timed'] = _finish('timed', timed)
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--all', action='store_true',
+                      help='also the slow tier and the timed smoke run')
   parser.add_argument('--serial', action='store_true',
-                      help='run the parts one after another')
+                      help='with --all: run the parts one after another')
   parser.add_argument('--log_dir', default=None,
                       help='where the timed part writes its log (default: a '
                       'new temporary directory)')
   args = parser.parse_args()
   return run(args.serial,
-             args.log_dir or tempfile.mkdtemp(prefix='capsjax-tests-'))
+             args.log_dir or tempfile.mkdtemp(prefix='capsjax-tests-'),
+             everything=args.all)
 
 
 if __name__ == '__main__':
