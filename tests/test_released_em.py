@@ -220,7 +220,7 @@ def test_released_class_routing(num_in, num_iterations):
   def ours(wx, acts, beta_a, beta_u):
     poses, out_acts, _ = routing.em_routing(
         wx, acts, beta_u, beta_a, num_iterations, inverse_temperature=lambdas,
-        options=routing.RELEASED_EM)
+        em_routing=routing.RELEASED_EM)
     return out_acts, poses
 
   _check(ours, lambda *a: released_class_routing(*a, lambdas),
@@ -320,10 +320,10 @@ def test_released_preset_differs_from_the_paper_form():
   lambdas = _lambdas(3)
   released = routing.em_routing(wx, acts, betas, betas, 3,
                                 inverse_temperature=lambdas,
-                                options=routing.RELEASED_EM)
+                                em_routing=routing.RELEASED_EM)
   plain = routing.em_routing(
       wx, acts, betas, betas, 3, inverse_temperature=lambdas,
-      options=routing.AUTHORS_EM)
+      em_routing=routing.AUTHORS_EM)
   assert routing.AUTHORS_EM == dataclasses.replace(routing.RELEASED_EM,
                                                    released=False)
   assert np.max(np.abs(np.asarray(released[0]) - np.asarray(plain[0]))) > 1e-6

@@ -172,7 +172,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   """EM routing of N independent windows, their votes V_io = M_i W_io.
 
   Computes ``routing.em_routing(votes.matrix_votes(poses, weights),
-  activations, beta_u, beta_a, options=em_routing)``.
+  activations, beta_u, beta_a, em_routing=em_routing)``.
 
   Args:
     poses: [N, I, 4, 4] each window's child poses M_i.

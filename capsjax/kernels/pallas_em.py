@@ -621,7 +621,7 @@ def route_windows(poses, activations, weights, beta_u, beta_a,
   """EM routing of N independent windows, their votes V_io = M_i W_io.
 
   Computes ``routing.em_routing(votes.matrix_votes(poses, weights),
-  activations, beta_u, beta_a, options=em_routing)`` with a Pallas kernel
+  activations, beta_u, beta_a, em_routing=em_routing)`` with a Pallas kernel
   (``em_cpu.route_windows``'s contract).
 
   Args:

@@ -371,7 +371,7 @@ def em_routing(
     beta_a: ArrayLike,
     num_iterations: int | None = None,
     *,
-    options: EMRouting | None = None,
+    em_routing: EMRouting | None = None,
     assignment_normalizer: Normalizer | None = None,
     remat_iterations: bool = False,
     **fields,
@@ -393,9 +393,11 @@ def em_routing(
     activations: [..., I] input activations a_i in [0, 1].
     beta_u, beta_a: learned biases, broadcastable to [O] (one per output
       capsule type).
-    num_iterations: T, overriding ``options.num_iterations`` (None keeps it).
-    options: the routing (``EMRouting``; None: ``PAPER_EM``, the paper's
-      text); ``fields``, any ``EMRouting`` field by name, override it.
+    num_iterations: T, overriding ``em_routing.num_iterations`` (None keeps
+      it).
+    em_routing: the routing (``EMRouting``; None: ``PAPER_EM``, the paper's
+      text; the same keyword as the conv capsule layers' and the window
+      kernels'); ``fields``, any ``EMRouting`` field by name, override it.
     assignment_normalizer: maps the E-step's log-numerators [..., I, O] to
       log R. Default: log-softmax over O. Convolutional capsule layers pass
       one that normalises each child over every parent that receives its
@@ -411,7 +413,7 @@ def em_routing(
     assignments [..., I, O] = the R used by the final M-step before it is
     multiplied by the input activations (float32; uniform 1/O when T = 1).
   """
-  options = with_overrides(options, num_iterations, **fields)
+  options = with_overrides(em_routing, num_iterations, **fields)
   num_iterations = options.num_iterations
   votes = floating_array(votes, 'votes')
   activations = jnp.asarray(activations)

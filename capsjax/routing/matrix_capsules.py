@@ -263,7 +263,7 @@ def _window_routing_options(
   elif em_routing.normalize_across_positions:
     options.update(assignment_normalizer=votes_lib.conv_parent_normalizer(
         *grid, kernel_size, stride, in_types))
-  options.update(options=em_routing)
+  options.update(em_routing=em_routing)
   return em_routing, options
 
 
@@ -379,7 +379,7 @@ def class_capsule_routing(
   v = v.reshape(batch, -1, num_out, p * p)
   out_poses, out_acts, assignments = routing.em_routing(
       v, activations.reshape(batch, -1), beta_u, beta_a,
-      options=routing.with_overrides(em_routing, **fields))
+      em_routing=routing.with_overrides(em_routing, **fields))
   # The class activations are the class scores: float32 (routing.em_routing).
   return (out_poses.reshape(batch, num_out, p, p).astype(out_dtype),
           out_acts, assignments)
