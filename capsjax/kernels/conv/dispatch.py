@@ -1,14 +1,9 @@
 """Which convolution kernel XLA:CPU runs, and the lowering conv2d picks there.
 
 jaxlib 0.10's XLA:CPU hands every convolution large enough (a 3x3
-64 -> 64 one on 26x26 is; 8x8x8 is not) to a YNNPACK fusion. Those run far
-below the machine: Su's second 3x3 layer at batch 128, forward alone,
-151-172 ms as a YNNPACK fusion against 31-36 ms as XLA's Eigen convolution
-(173 GFLOP/s, this CPU's measured matmul peak), and its train step
-(forward, input and kernel gradients) 520 ms against 160 ms
-(BENCHMARKS.md, the CPU convolution kernels). The slow
-"XLA:CPU convolution backward pass" that ``lowerings.patches_conv`` works
-around was mostly this.
+64 -> 64 one on 26x26 is; 8x8x8 is not) to a YNNPACK fusion, which runs
+several times slower than XLA's Eigen convolution on the capsule models'
+layers, forward and backward (BENCHMARKS.md, the CPU convolution kernels).
 
 ``prefer_eigen_convolutions`` turns the YNNPACK convolution fusion off
 through XLA_FLAGS (``-individual_convolution``, which keeps YNNPACK's

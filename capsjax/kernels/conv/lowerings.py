@@ -186,9 +186,8 @@ def narrow_conv(x: ArrayLike, kernel: ArrayLike) -> jax.Array:
   kernel gradient is one product, ``patches @ cotangent`` with the patches
   channel-major ([Kh*Kw*C, B*H'*W'], ``_channel_major_patches``): XLA's
   kernel gradient, or ``patches_conv``'s ``patches^T @ cotangent``,
-  first transposes the wide cotangent (Su's first layer at batch 128,
-  alone: 5-9 ms for its forward and gradients against 27-33 ms as
-  ``patches_conv``; in the whole train step 1-4% faster: BENCHMARKS.md).
+  first transposes the wide cotangent (faster on Su's first layer:
+  BENCHMARKS.md).
   Its input gradient, needed only by attacks on the images, is
   ``patches_conv``'s.
 
@@ -224,8 +223,8 @@ def _unfused(x: jax.Array, key: jax.Array) -> jax.Array:
 
   The kernel gradient of a convolution transposes its input. XLA fuses the
   input's elementwise producer (a bias and ReLU) into that transpose, whose
-  loop then runs 3-4x slower than the transpose of the stored input (the
-  paper CapsNet's conv1 output at batch 128: 83-97 ms against 23-27 ms).
+  loop then runs 3-4x slower than the transpose of the stored input
+  (BENCHMARKS.md).
   XLA:CPU drops ``lax.optimization_barrier`` before fusion; a conditional
   whose branches differ stays. ``token == token`` holds unless ``token`` is
   NaN, and then ``x + 0.0`` is ``x`` too (up to the sign of zeros). An
@@ -365,12 +364,9 @@ def onednn_input_grad_conv(x: ArrayLike, kernel: ArrayLike, stride: int,
                            padding: str = 'VALID') -> jax.Array:
   """XLA's convolution and kernel gradient, oneDNN's input gradient.
 
-  For the paper's PrimaryCaps (9x9, stride 2, 256 channels) on this CPU,
-  XLA's strided forward and kernel gradient beat oneDNN's (268 and 274
-  against 295 and 359 ms at batch 128), and oneDNN's input gradient beats
-  the taps (323 against 403 ms); together they take 858 ms against 898 as
-  taps, 1024 as oneDNN and 914 in PyTorch (at batch 64 429 against 418,
-  489 and 445: a wash; BENCHMARKS.md). Needs
+  For the paper's PrimaryCaps (9x9, stride 2, 256 channels) on the
+  development CPU, XLA's strided forward and kernel gradient beat oneDNN's
+  and oneDNN's input gradient beats the taps (BENCHMARKS.md). Needs
   ``capsjax.kernels.conv.onednn``.
 
   Args:
