@@ -110,9 +110,9 @@ def test_the_link_check_sees_links():
 
 
 def _runs_rows():
-  """The finished per-run rows of docs/reproduction.md's block: (title,
+  """The finished per-run rows of docs/paper_suite_results.md's block: (title,
   test cell), the seeds' mean rows left out."""
-  with open(os.path.join(REPO, 'docs', 'reproduction.md'),
+  with open(os.path.join(REPO, 'docs', 'paper_suite_results.md'),
             encoding='utf-8') as f:
     text = f.read()
   block = text[text.index('<!-- reproduction:begin -->'):
@@ -127,7 +127,7 @@ def _runs_rows():
 
 
 def test_every_full_run_is_reported_in_the_readme_results():
-  """A run that docs/reproduction.md says finished has its test number, in
+  """A run that docs/paper_suite_results.md says finished has its test number, in
   bold as the full runs' numbers are, in the README's Results section: a
   new result is reported, and a number there that no run gave is caught
   when it replaces the run's own."""
@@ -136,11 +136,11 @@ def test_every_full_run_is_reported_in_the_readme_results():
   results = readme[readme.index('## Results'):]
   results = results[:results.index('\n## ', 1)]
   rows = _runs_rows()
-  assert rows, 'docs/reproduction.md lists no finished run'
+  assert rows, 'docs/paper_suite_results.md lists no finished run'
   missing = [(title, test) for title, test in rows
              if f'**{test}**' not in results]
   assert not missing, ('README.md\'s Results do not report these finished '
-                       f'runs of docs/reproduction.md: {missing}')
+                       f'runs of docs/paper_suite_results.md: {missing}')
 
 
 def test_every_test_docs_guarantees_cites_exists():
