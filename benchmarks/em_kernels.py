@@ -1,18 +1,19 @@
-"""Times EM routing of conv capsule windows, forward + backward, per impl.
+"""Times EM routing of conv capsule windows, forward + backward, per implementation.
 
     python -m benchmarks.em_kernels --batch_sizes=16,64 --output=F.jsonl
     python -m benchmarks.em_kernels --tiny --output=F.jsonl
     python -m benchmarks.em_kernels --ptxas=forward,backward --sm=80
 
-One jitted call of ``matrix_capsules.conv_capsule_routing`` and its
+One jitted call of ``capsjax.kernels.conv_capsule_routing`` and its
 gradient with respect to the poses, activations, transforms and betas, at
 the paper EM model's two conv capsule layers (smallNORB: ConvCaps1, a
 14 x 14 grid of 32 capsule types routed in 3 x 3 windows at stride 2 to 32
 types; ConvCaps2, its 6 x 6 output at stride 1 to 32 types; 4 x 4 poses,
 3 iterations) for each ``--impls`` ('xla', 'pallas', and 'native', the
-fused CPU kernel, where it is available). The impls are timed in turn in
+fused CPU kernel, where it is available). The implementations are timed in
+turn in
 one process; each row, one JSON line appended to ``--output``, holds the
-layer, batch, impl and median ms per call.
+layer, batch, implementation (``impl``) and median ms per call.
 
 ``--tiny`` routes a 5 x 5 grid of 2 types to 3 at batch 1, one step,
 instead: a check that the command runs on a CPU, where 'pallas' runs in

@@ -12,8 +12,9 @@ backward passes, and optionally a short timing of the train step.
   python -m benchmarks.em_memory hlo --batches=8 --hlo_dir=/tmp/em_hlo
 
 ``--impls``: how the conv capsule layers route their windows
-(``matrix_capsules.conv_capsule_routing``'s ``impl`` and ``window_chunk``):
-'kernel' (the fused CPU kernel, the default where it applies), and through
+(``capsjax.kernels.conv_capsule_routing``'s ``implementation`` and
+``window_chunk``): 'kernel' (``implementation='native'``, the fused CPU
+kernel, the default where it applies), and through
 XLA 'auto' (chunks of ``matrix_capsules.WINDOW_CHUNK_BYTES`` of votes),
 'whole' (all at once, the layer-wide votes), 'chunkN' (N windows). XLA's
 memory analysis does not see the kernel's own buffers (per worker thread

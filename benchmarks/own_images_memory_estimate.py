@@ -1,6 +1,6 @@
 """The memory estimate of a training step against XLA's compiled figure.
 
-  python results/own_images/memory_estimate.py
+  python benchmarks/own_images_memory_estimate.py
 
 For each family's own-images config (the full and the smoke model) on
 random 32x32x3 images of 10 classes (EM smoke: 24x24): the estimate

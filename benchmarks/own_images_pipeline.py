@@ -1,6 +1,6 @@
 """Decode + cache time, the cached input pipeline and the train step, in img/s.
 
-  python results/own_images/pipeline_benchmark.py --fashion=/tmp/fashion_png \\
+  python benchmarks/own_images_pipeline.py --fashion=/tmp/fashion_png \\
       --photos=/tmp/photos --out=/tmp/bench
 
 --fashion: the Fashion-MNIST test split as a folder of PNGs (written first

@@ -5,10 +5,10 @@
   python -m benchmarks.routing_kernels --tiny --output=F.jsonl
   python -m benchmarks.routing_kernels --ptxas=forward,backward --sm=80
 
-Times ``jax.grad`` of the sum of ``routing.dynamic_routing``'s outputs
+Times ``jax.grad`` of the sum of ``capsjax.kernels.dynamic_routing``'s outputs
 (votes [B, I, O, D] and a bias [O, D], as DigitCaps routes them; the paper's
 B = 64 and 128, I = 1152, O = 10, D = 16, 3 iterations by default) for each
-``impl`` ('xla', 'pallas'), the impls timed in turn in one process, and
+implementation (``--impls``: 'xla', 'pallas'), timed in turn in one process, and
 prints the median milliseconds per call and the fraction of the
 memory-bandwidth floor: the votes read once and their gradient written
 once, over the device's bandwidth (``capsjax.flops.DEVICE_PEAKS``, or
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--block_inputs',
                       default=str(pallas_dynamic.DEFAULT_BLOCK_INPUTS),
                       help="comma-separated input capsules per block of "
-                      "impl='pallas' (powers of two): one row each")
+                      "implementation='pallas' (powers of two): one row each")
   parser.add_argument('--bandwidth_gbs', type=float, default=0.0,
                       help='memory bandwidth in GB/s (0: the datasheet '
                       'value of a known GPU, else no floor)')

@@ -3,11 +3,11 @@
     pip install -e '.[bench,onednn]'
     python -m benchmarks.su_conv_passes [BATCH] [ROUNDS] [DTYPE]
                         # defaults: 128, 7, float32 (or bfloat16)
-    CAPSJAX_ONEDNN=0 python -m benchmarks.su_conv_passes     # XLA's lowerings
+    CAPSJAX_IMPLEMENTATION=xla python -m benchmarks.su_conv_passes  # XLA's lowerings
 
 For the 26x26x64 -> 64, 12x12x64 -> 128 and 10x10x128 -> 128 layers of
 Su's two-digit models: the forward pass, the input gradient and the kernel
-gradient, each jitted alone, as ``lowerings.conv2d`` lowers them by default
+gradient, each jitted alone, as ``capsjax.kernels.conv2d`` runs them by default
 (oneDNN's convolution where the onednn extra is installed), and PyTorch's
 ``conv2d``, ``conv2d_input`` and ``conv2d_weight`` (in bfloat16 also on
 channels-last tensors, the layout ``torch.compile`` may pick); alternated in

@@ -1,15 +1,18 @@
 """One 3x3 convolution's forward pass as XLA:CPU compiles it, in a few contexts.
 
     python -m benchmarks.ynnpack_conv_forward                # Eigen's (default)
-    CAPSJAX_YNN_CONVOLUTIONS=1 python -m benchmarks.ynnpack_conv_forward
+    XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_convolution \\
+        python -m benchmarks.ynnpack_conv_forward           # YNNPACK's
 
 Su's second layer, [128, 26, 26, 64] x [3, 3, 64, 64]: alone, with its
 input padded inside the jit, with a flipped kernel, followed by a sine or a
 sum, and the input gradient's padded convolution over a [128, 24, 24, 64]
-cotangent; median ms of 9 calls, printed twice. ``import capsjax`` turns
-XLA:CPU's YNNPACK convolution fusion off
+cotangent; median ms of 9 calls, printed twice.
+``capsjax.prefer_eigen_convolutions()``, which ``import benchmarks`` calls,
+turns XLA:CPU's YNNPACK convolution fusion off
 (``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution``);
-``CAPSJAX_YNN_CONVOLUTIONS=1`` keeps it, as jaxlib 0.10 has it by default.
+naming the fusion types in XLA_FLAGS yourself (the second command) keeps it,
+as jaxlib 0.10 has it by default.
 Record: results/benchmarks/ynnpack_convolutions/.
 """
 
@@ -46,7 +49,7 @@ def main() -> None:
     return jnp.flip(k, (0, 1)).swapaxes(2, 3)
 
   def conv(x, k):  # XLA's own convolution, lax.conv_general_dilated
-    return lowerings.conv2d(x, k, impl='direct')
+    return lowerings.conv2d(x, k, lowering='direct')
 
   forwards = {
       'fwd': jax.jit(conv),

@@ -379,7 +379,7 @@ def self_attention_routing_cost(votes_shape: Sequence[int], *,
                                 log_priors: bool = False,
                                 dtype_bytes: int = 4,
                                 backward: bool = False) -> Cost:
-  """Cost of ``attention_routing.self_attention_routing(votes)``.
+  """Cost of ``routing.attention.self_attention_routing(votes)``.
 
   Per example, for votes [I, O, D]:
 
@@ -408,7 +408,7 @@ def inverted_dot_product_routing_cost(
     votes_shape: Sequence[int], num_iterations: int = 2, *,
     layer_norm: bool = True, affine: bool = False, dtype_bytes: int = 4,
     backward: bool = False) -> Cost:
-  """Cost of ``attention_routing.inverted_dot_product_routing(votes, T)``.
+  """Cost of ``routing.attention.inverted_dot_product_routing(votes, T)``.
 
   Per example, for votes [I, O, D]: T pose updates and T - 1 routing
   updates (the first pass's uniform 1/O is a constant):

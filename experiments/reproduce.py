@@ -35,7 +35,7 @@ Every call rewrites WORKDIR/reproduction.json (also as each experiment
 ends) and WORKDIR/REPRODUCTION.md: per row the paper's number, ours (test,
 with validation beside it), steps, epochs, wall time (all calls added up),
 the last call's training images/s, device and commit.
-``--readme=docs/reproduction.md`` (paper suite) also writes the table of the
+``--readme=docs/paper_suite_results.md`` (paper suite) also writes the table of the
 suite's finished rows (all of them, whatever ``--only`` selects; nothing
 while none has finished) between that markdown file's
 ``<!-- reproduction:begin -->`` and ``<!-- reproduction:end -->`` lines,
@@ -107,7 +107,7 @@ _BENCH_STEPS = flags.DEFINE_integer(
 _README = flags.DEFINE_string(
     'readme', '', "Also write the finished rows into this markdown file's "
     '<!-- reproduction:begin --> ... <!-- reproduction:end --> block (this '
-    'project keeps them in docs/reproduction.md).')
+    'project keeps them in docs/paper_suite_results.md).')
 _BENCHMARKS = flags.DEFINE_string(
     'benchmarks', '', 'With --suite=bench: also write the table into this '
     "file (BENCHMARKS.md) under the device's name, replacing that device's "
@@ -926,7 +926,7 @@ def write_block(path: str, table: str, begin: str, end: str,
 def update_readme(path: str, table: str, written_before: list[str] = ()
                   ) -> list[str]:
   """The finished rows into a markdown file's reproduction block (the
-  project's: docs/reproduction.md), keeping the rows that other suite
+  project's: docs/paper_suite_results.md), keeping the rows that other suite
   workdirs wrote (a GPU's, another machine's).
 
   ``written_before``: the rows' titles this workdir wrote earlier; those,

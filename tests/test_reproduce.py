@@ -432,10 +432,10 @@ def test_readme_block_gets_the_mean_and_range_of_each_claims_seeds(tmp_path):
 
 
 def test_the_projects_rows_file_has_the_block_and_the_header_it_writes():
-  """docs/reproduction.md, where the project keeps the paper suite's rows:
+  """docs/paper_suite_results.md, where the project keeps the paper suite's rows:
   its block exists and starts with the header ``markdown`` writes, so a
   ``--readme`` call merges into it instead of replacing it."""
-  text = open(os.path.join(REPO, 'docs', 'reproduction.md')).read()
+  text = open(os.path.join(REPO, 'docs', 'paper_suite_results.md')).read()
   start = text.index(reproduce.README_BEGIN) + len(reproduce.README_BEGIN)
   block = text[start:text.index(reproduce.README_END)].strip().splitlines()
   header = reproduce.markdown({'suite': 'paper', 'experiments': {}},
@@ -545,7 +545,7 @@ def test_help_and_bad_flags_are_one_line(tmp_path):
        'is not a directory'),
       ((f'--workdir={tmp_path}', '--max_seconds=-1'), 'max_seconds'),
       ((f'--workdir={tmp_path}', '--suite=smoke',
-        f'--readme={os.path.join(REPO, "docs", "reproduction.md")}'),
+        f'--readme={os.path.join(REPO, "docs", "paper_suite_results.md")}'),
        '--readme goes with --suite=paper'),
       ((f'--workdir={tmp_path}', f'--readme={os.path.join(REPO, "pyproject.toml")}'),
        'has no <!-- reproduction:begin --> ... <!-- reproduction:end -->'),

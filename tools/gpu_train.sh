@@ -17,7 +17,7 @@
 # logs, TensorBoard events). Afterwards, here, with the archives extracted
 # into one workdir W:
 #   python -m experiments.reproduce --workdir=W --suite=paper --only=NAME \
-#       --readme=docs/reproduction.md
+#       --readme=docs/paper_suite_results.md
 # `CPU_DRY_RUN=1 bash tools/gpu_train.sh 60 NAME` checks the script on a CPU
 # (no wheels, a minute of training, into $OUT or /tmp/gpu_train_dry).
 set -u

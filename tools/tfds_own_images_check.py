@@ -1,6 +1,6 @@
 """capsjax.data.read_images('tfds:NAME') against the real TensorFlow Datasets.
 
-  PYTHONPATH=. python results/own_images/tfds_check.py /tmp/tfds_data
+  PYTHONPATH=. python tools/tfds_own_images_check.py /tmp/tfds_data
 
 Builds a tiny image-classification dataset (three classes, colour images of
 random sizes, train and test splits, plus a text feature) and one without an

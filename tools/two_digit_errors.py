@@ -9,7 +9,7 @@ and each layout of the test pairs (stacked, side by side; the pairs of seed
 scores are the two digits), how many wrong pairs have a "1" among the two
 highest scores that is not in the pair, and the error of the pairs with and
 without a blank receptive field (``capsjax.data.blank_fields``). Record:
-results/two_digit_transfer/ (``blank_field_errors.log``).
+results/two_digit_transfer/README.md (its output quoted whole).
 """
 
 from __future__ import annotations

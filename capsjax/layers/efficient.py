@@ -22,7 +22,7 @@ from capsjax.routing import votes as votes_lib
 class DepthwisePrimaryCapsules(nnx.Module):
   """Efficient-CapsNet's primary capsules (the authors' ``PrimaryCaps``):
   a depthwise convolution with bias, its channels grouped into capsules of
-  ``dim``, squashed by ``attention_routing.efficient_squash``.
+  ``dim``, squashed by ``routing.attention.efficient_squash``.
 
   [B, H, W, in_features] -> [B, H'*W'*in_features/dim, dim], capsules
   ordered (row, column, group of ``dim`` channels). On MNIST the 9x9 kernel
@@ -60,7 +60,7 @@ class DepthwisePrimaryCapsules(nnx.Module):
 class SelfAttentionCapsules(nnx.Module):
   """Efficient-CapsNet's fully connected capsules (the authors' ``FCCaps``):
   a vote W_io u_i per (input, output) pair, routed by
-  ``attention_routing.self_attention_routing`` with learned priors.
+  ``routing.attention.self_attention_routing`` with learned priors.
 
   Transforms [I, O, Din, Dout] from Keras' he_normal (the authors' W [O, I,
   Din, Dout] has the same fans), priors B [I, O] zeros (their b [O, I, 1]).

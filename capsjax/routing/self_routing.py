@@ -29,7 +29,7 @@ from this module:
   input;
 - it starts W^route and b^route at zero, so the couplings start uniform,
   1/O: at initialisation self-routing is ``uniform_routing``
-  (``self_routing_layers.SelfRoutingCapsules`` starts the same way);
+  (``layers.SelfRoutingCapsules`` starts the same way);
 - its class layer makes no poses (``pose_out=False``), only the parent
   activations, whose logarithms are the class scores.
 

@@ -13,9 +13,9 @@ and the tests call it first; a notebook calls
 ``capsjax.prefer_eigen_convolutions()`` before its first JAX computation
 (``import capsjax`` changes nothing in the process). Afterwards
 ``ynn_convolutions`` asks the compiler what it actually does, and
-``lowerings.conv2d`` picks its CPU lowering from the answer
-(``cpu_conv_impl``), or oneDNN's convolution where ``capsjax.kernels.conv.onednn``
-is installed: faster than any of XLA's.
+``capsjax.kernels.conv2d`` picks its CPU lowering from the answer
+(``cpu_conv_impl``), or oneDNN's convolution (``implementation='native'``)
+where ``capsjax.kernels.conv.onednn`` is installed: faster than any of XLA's.
 """
 
 from __future__ import annotations

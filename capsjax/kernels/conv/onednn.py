@@ -9,9 +9,11 @@ first use compiles ``csrc/onednn_conv.cc`` against jaxlib's FFI headers
 (``$CAPSJAX_CACHE_DIR``, else ``~/.cache/capsjax``) and registers its
 handlers: the forward convolution (any stride, explicit zero padding), its
 two gradients, the kernel gradient as one product over the patches, and a
-matrix product (``matmul``). ``lowerings.conv2d`` then runs the CPU's float32
-convolutions through them (``dispatch.cpu_conv_impl``). Without the
-wheels or a compiler, or with ``CAPSJAX_ONEDNN=0``, nothing changes:
+matrix product (``matmul``). ``capsjax.kernels.conv2d`` then runs the
+CPU's float32 convolutions through them (``implementation='native'``, the
+default where it can; the lowering by ``dispatch.cpu_conv_impl``). Without the
+wheels or a compiler, or with ``implementation='xla'`` (or
+``CAPSJAX_IMPLEMENTATION=xla`` for every default), nothing changes:
 ``status()`` says why.
 
 bfloat16 (``compute_dtype='bfloat16'``): the handlers take bfloat16
@@ -25,7 +27,7 @@ the float32 master kernel). Below AMX, a strided convolution's kernel
 gradient is one bfloat16 product over its patches instead
 (``_kernel_gradient_as_product``). On a CPU without bfloat16 dot products
 oneDNN would convert to float32 and run slower than in float32, so there
-(and with ``CAPSJAX_ONEDNN_BF16=0``) bfloat16 convolutions stay XLA's:
+(and with ``implementation='xla'``) bfloat16 convolutions stay XLA's:
 ``bf16_status()`` says which path they take and why.
 """
 
@@ -191,7 +193,7 @@ def _check_bfloat16_kernels(dtype, what: str) -> None:
     raise ValueError(
         f'oneDNN {what}: this CPU has no bfloat16 instructions for oneDNN '
         f'(AVX512-BF16 or AMX; oneDNN runs {cpu_isa()}), so it has no '
-        f'bfloat16 kernels here. Use float32 operands, or capsjax.kernels.conv.conv2d, '
+        f'bfloat16 kernels here. Use float32 operands, or capsjax.conv2d, '
         f'which computes bfloat16 with XLA on such a CPU.')
 
 

@@ -1,5 +1,5 @@
 // EM routing of convolutional capsule windows fused with their votes, and
-// its gradient, as XLA FFI calls (capsjax/em_kernel.py builds and loads
+// its gradient, as XLA FFI calls (capsjax/kernels/em_cpu.py builds and loads
 // this file).
 //
 // Each window routes on its own (no E-step normaliser across windows):

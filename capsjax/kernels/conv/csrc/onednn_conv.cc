@@ -1,6 +1,6 @@
 // An NHWC convolution (any stride, explicit zero padding) and both its
-// gradients as XLA FFI calls into oneDNN (capsjax/conv/onednn.py builds and
-// loads this file).
+// gradients as XLA FFI calls into oneDNN (capsjax/kernels/conv/onednn.py
+// builds and loads this file).
 // x: [N, H, W, C], kernel: [Kh, Kw, C, F] (HWIO),
 // y: [N, H', W', F] with H' = (H + pad_top + pad_bottom - Kh) / stride + 1.
 // float32 throughout, or bfloat16 x, kernel, y and input gradient with the
