@@ -12,9 +12,10 @@ imports from there):
       --config.images=/path/to/folder
   python -m experiments.own_images --workdir=/tmp/mine --predict=photos/
 
-The first trains on Fashion-MNIST (about 4 minutes on a 2-core CPU, the
-measured result in docs/own_model.md); the others on your own images, and
-predict with that model. The contract a model meets: docs/own_model.md.
+The first trains on Fashion-MNIST: 85.11% test accuracy after 1,500 steps,
+4 min 19 s on a shared 2-core CPU (docs/own_model.md); the others train
+on your own images, and predict with that model. The contract a model
+meets: docs/own_model.md.
 """
 
 import jax
@@ -85,7 +86,9 @@ class TwoLayerCapsNet(nnx.Module):
 def _training(config: ml_collections.ConfigDict) -> None:
   """A short run for a CPU: 1,500 steps of 64 images (1.7 epochs)."""
   config.model = MODEL
+  # The margin loss summed over the classes (the paper's text).
   config.loss_form = 'text'
+  # The squared reconstruction error is added times this (the paper's).
   config.reconstruction_weight = 0.0005
   config.batch_size = 64
   config.num_train_steps = 1500

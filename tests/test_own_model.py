@@ -361,3 +361,40 @@ def test_your_model_on_your_images_predicts_in_a_new_process(tmp_path,
       f"capsjax.models.ModelNotFound: {workdir} holds a model from outside "
       f"capsjax, 'tests.user_models:TinyCapsNet': cannot import module "
       f"'tests.user_models'"), last
+
+
+# ----------------------------------------------------------------------------
+# The example of docs/own_model.md.
+
+
+def _documented_command() -> list[str]:
+  """docs/own_model.md's bash block after ``<!-- own-model-command -->``."""
+  text = open(os.path.join(REPO, 'docs', 'own_model.md')).read()
+  block = text.split('<!-- own-model-command -->', 1)[1]
+  command = block.split('```bash\n', 1)[1].split('```', 1)[0]
+  return command.replace('\\\n', ' ').split()
+
+
+def test_the_example_meets_the_contract_on_both_of_its_datasets():
+  from examples import two_layer_capsnet as example
+  command = _documented_command()
+  assert command[:3] == ['python', '-m', 'experiments.train']
+  assert '--config=examples/two_layer_capsnet.py' in command
+  config = example.get_config()
+  assert models.model_class(config.model) is example.TwoLayerCapsNet
+  assert families.of(config.model) is families.of('capsnet')
+  state_lib.check_model(config, (28, 28, 1), 10)  # Fashion-MNIST
+  # On own images the data sets the shapes: 32x32 colour, 3 classes.
+  mine = example.get_config('own_images')
+  mine.model_options.update(input_shape=(32, 32, 3), num_classes=3)
+  state_lib.check_model(mine, (32, 32, 3), 3)
+
+
+@pytest.mark.slow
+def test_config_help_explains_your_model_s_options():
+  out = _run('-m', 'experiments.train', '--workdir=unused',
+             '--config=examples/two_layer_capsnet.py', '--config_help')
+  assert out.returncode == 0, out.stderr
+  assert ('model_options.conv_channels = 64  # option conv_channels of '
+          'examples.two_layer_capsnet.TwoLayerCapsNet (default 64; its '
+          'docstring says what it does)') in out.stdout, out.stdout
