@@ -11,10 +11,14 @@ Every model returns its class scores under one key, ``outputs['class_scores']``
   two classes are targets) and the class loss it is built on
   (``class_loss``);
 - the loss an attacker increases (``attack_loss``);
-- the trainer that makes its train and eval steps (``trainer``:
-  ``training.vector_capsules`` or ``training.matrix_capsules``).
+- the outputs its losses read (``outputs``, checked by ``check_outputs``
+  before a run trains);
+- the trainer that makes its train and eval steps, by name
+  (``trainer_name``: 'vector_capsules' or 'matrix_capsules', modules of
+  ``capsjax.training``, which maps the name to the module: this module
+  imports nothing of training).
 
-    family = families.of('capsnet')          # or of(model), of(model class)
+    family = families.of('capsnet')   # or of(model), of(model class or factory)
     loss, metrics = family.loss(outputs, labels, config, images=images)
 
 The families: 'capsnet' (Sabour et al.'s CapsNet: the margin loss plus the
@@ -29,7 +33,9 @@ Shape legend: B the batch, K the classes, T = 2 digits per MultiMNIST image.
 from __future__ import annotations
 
 import abc
-import types
+import math
+import typing
+from collections.abc import Mapping
 from typing import Any
 from typing import ClassVar
 
@@ -69,7 +75,8 @@ class Family(abc.ABC):
 
   ``name``: as the models' ``FAMILY``. ``scores``: 'probabilities' or
   'logits'. ``score_name``: what one class score is, in words;
-  ``class_loss_name``: the attacked class loss, in words. ``trainer_name``:
+  ``class_loss_name``: the attacked class loss, in words. ``outputs``: what
+  a model of the family returns for its losses, in words. ``trainer_name``:
   the module of ``capsjax.training`` that trains it.
   """
 
@@ -77,17 +84,37 @@ class Family(abc.ABC):
   scores: ClassVar[str]
   score_name: ClassVar[str]
   class_loss_name: ClassVar[str]
+  outputs: ClassVar[str]
   trainer_name: ClassVar[str] = 'vector_capsules'
 
   def __repr__(self) -> str:
     return f'families.of({self.name!r})'
 
-  @property
-  def trainer(self) -> types.ModuleType:
-    """``training.vector_capsules`` or ``training.matrix_capsules``:
-    ``steps_for`` (a run's train and eval steps), ``load_data``,
-    ``train_and_evaluate``."""
-    return _trainers()[self.trainer_name]
+  def check_outputs(self, outputs: Any, images: tuple[int, ...],
+                    num_classes: int | None, model: str) -> None:
+    """ValueError, one line naming ``model``, unless ``outputs`` (of
+    images [B, H, W, C]: arrays or ``jax.ShapeDtypeStruct``) hold what the
+    family's losses read: a dict with float 'class_scores' [B, K], K =
+    ``num_classes`` when given."""
+    if not isinstance(outputs, Mapping):
+      raise ValueError(f'model {model} returned a {type(outputs).__name__}, '
+                       f'not a dict; a {self.name!r} model returns '
+                       f'{self.outputs}.')
+    if CLASS_SCORES not in outputs:
+      raise ValueError(f'model {model} returned no {CLASS_SCORES!r} (its '
+                       f'outputs: {", ".join(map(str, outputs)) or "none"}); '
+                       f'a {self.name!r} model returns {self.outputs}.')
+    scores = outputs[CLASS_SCORES]
+    shape = tuple(scores.shape)
+    if (len(shape) != 2 or shape[0] != images[0]
+        or (num_classes and shape[1] != num_classes)):
+      expected = f'[{images[0]}, {num_classes or "K"}]'
+      raise ValueError(f'model {model}: {CLASS_SCORES!r} has shape {shape} '
+                       f'for {images[0]} images of {num_classes or "K"} '
+                       f'classes, expected [B, K] = {expected}.')
+    if not jnp.issubdtype(scores.dtype, jnp.floating):
+      raise ValueError(f'model {model}: {CLASS_SCORES!r} are {scores.dtype}, '
+                       f'expected floats ({self.outputs}).')
 
   def class_logits(self, scores: jax.Array) -> jax.Array:
     """[B, K] logits: the scores themselves, or the log-odds of
@@ -174,6 +201,25 @@ class CapsNetFamily(Family):
   scores = 'probabilities'
   score_name = 'capsule length'
   class_loss_name = 'margin loss on capsule lengths (no reconstruction term)'
+  outputs = ("'class_scores' [B, K], capsule lengths in [0, 1] (the margin "
+             "loss), and with a decoder 'reconstructions' [B, H*W*C] in [0, "
+             '1], the input images rebuilt from the capsules masked by the '
+             'labels the model is called with in training')
+
+  def check_outputs(self, outputs, images, num_classes, model):
+    """Also: 'reconstructions', when returned, as many values per image
+    as the images have pixels."""
+    super().check_outputs(outputs, images, num_classes, model)
+    if 'reconstructions' not in outputs:
+      return
+    shape = tuple(outputs['reconstructions'].shape)
+    if not shape or shape[0] != images[0] or (
+        math.prod(shape[1:]) != math.prod(images[1:])):
+      raise ValueError(
+          f"model {model}: 'reconstructions' has shape {shape} for images "
+          f'{tuple(images)}, expected [B, H*W*C] = [{images[0]}, '
+          f'{math.prod(images[1:])}] (the reconstruction loss compares them '
+          f'with the input images).')
 
   def class_loss(self, scores, labels, *, form: str = 'text'):
     """The margin loss (``losses.margin_loss``, its ``form``)."""
@@ -220,6 +266,7 @@ class CNNFamily(Family):
   scores = 'logits'
   score_name = 'logit'
   class_loss_name = 'softmax cross-entropy on logits'
+  outputs = "'class_scores' [B, K], logits (softmax cross-entropy)"
 
   def class_loss(self, scores, labels):
     """Softmax cross-entropy."""
@@ -242,6 +289,8 @@ class TwoDigitFamily(CapsNetFamily):
   name = 'two_digit'
   score_name = 'score'
   class_loss_name = "Su's binary margin loss on the scores"
+  outputs = ("'class_scores' [B, K], scores in [0, 1] (Su's binary margin "
+             'loss)')
 
   def class_loss(self, scores, labels):
     """Su's binary loss: y relu(0.9 - p)^2 + 0.25 (1 - y) relu(p - 0.1)^2."""
@@ -261,6 +310,7 @@ class EMFamily(Family):
   scores = 'probabilities'
   score_name = 'activation'
   class_loss_name = 'spread loss'
+  outputs = "'class_scores' [B, K], class activations in [0, 1] (the spread loss)"
   trainer_name = 'matrix_capsules'
 
   CLASS_LOSSES: ClassVar[tuple[str, ...]] = ('spread', 'cross_entropy',
@@ -330,27 +380,39 @@ def names() -> tuple[str, ...]:
   return tuple(sorted(_FAMILIES))
 
 
-def of(model: str | nnx.Module | type[Any]) -> Family:
-  """The family of a model: a registry name (``models.list_models``), a
-  model, or a model class; each declares it as ``FAMILY``. ValueError for
-  an unknown name or a model that declares none."""
+def of(model: str | nnx.Module | Any) -> Family:
+  """The family of a model: a name or 'module:Class' path
+  (``models.model_class``), a model, a model class, or a model factory
+  function, whose return annotation names its class. Each class declares
+  it as ``FAMILY``; ValueError (one line: the families and the outputs
+  each reads) for an unknown name or a model that declares none."""
   if isinstance(model, str):
     model = models.model_class(model)
-  cls = model if isinstance(model, type) else type(model)
-  name = getattr(cls, 'FAMILY', None)
+  if isinstance(model, nnx.Module):
+    model = type(model)
+  owner = model if isinstance(model, type) else _returned_class(model)
+  name = getattr(owner, 'FAMILY', None)
   if name not in _FAMILIES:
-    raise ValueError(f'{cls.__name__} declares no model family (FAMILY = '
-                     f'{name!r}); one of {", ".join(names())}.')
+    what = getattr(model, '__qualname__', repr(model))
+    where = ('' if owner is model else
+             f' (a factory: the class its return annotation names, '
+             f'{getattr(owner, "__qualname__", "none")})')
+    raise ValueError(
+        f'{what}{where} declares no model family (FAMILY = {name!r}); set the '
+        f'class attribute FAMILY to the family whose losses train it: '
+        + '; '.join(f'{f.name!r}: {f.outputs}' for f in _FAMILIES.values())
+        + '.')
   return _FAMILIES[name]
 
 
-def _trainers() -> dict[str, types.ModuleType]:
-  """Trainer name -> the module of ``capsjax.training`` it names. Imported
-  in here, when first asked, because the trainers import this module."""
-  from capsjax.training import matrix_capsules
-  from capsjax.training import vector_capsules
-  return {'matrix_capsules': matrix_capsules,
-          'vector_capsules': vector_capsules}
+def _returned_class(factory: Any) -> type | None:
+  """The class a model factory's return annotation names (None if none
+  resolves)."""
+  try:
+    returned = typing.get_type_hints(factory).get('return')
+  except Exception:  # noqa: BLE001 - an unresolvable annotation names none
+    return None
+  return returned if isinstance(returned, type) else None
 
 
 __all__ = (

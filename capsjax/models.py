@@ -11,6 +11,10 @@ classes. Every model returns its class scores [B, K] (their argmax is the
 prediction) under ``'class_scores'`` and names its family (``FAMILY``:
 ``capsjax.families`` owns what its scores are, its losses and its trainer).
 
+A model of yours goes through the same registry: ``register(name, cls)``,
+or ``create_model('my_package.my_models:MyCapsNet', ...)`` (a
+'module:QualName' path, imported); its contract: docs/own_model.md.
+
 Parameter counts (``count_params``, default options):
 - 'capsnet' 28x28x1: 8,215,728 = conv1 20,992 + primary 5,308,672 + digit W
   1,474,560 + digit bias 160 + decoder 1,411,344 (8,215,568 with
@@ -26,8 +30,10 @@ Parameter counts (``count_params``, default options):
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -834,55 +840,245 @@ class EfficientCapsNet(nnx.Module):
 
 
 # ----------------------------------------------------------------------------
-# Registry.
+# Registry: one for the models here and yours.
+#
+# A name is looked up in ``_REGISTRY`` (the built-in names and those given to
+# ``register``); a 'module:QualName' path is imported. A model constructor is
+# a class (an ``nnx.Module``) or a module-level function that builds one; it
+# takes ``rngs`` and its options as keywords.
 
-_MODELS: dict[str, type[nnx.Module]] = {
-    'capsnet': CapsNet,
-    'baseline_cnn': BaselineCNN,
-    'efficient_capsnet': EfficientCapsNet,
-    'matrix_capsnet': MatrixCapsNet,
-    'two_digit_baseline': TwoDigitBaseline,
-    'two_digit_capsnet': TwoDigitCapsNet,
-}
+ModelConstructor = Callable[..., nnx.Module]
+
+_REGISTRY: dict[str, ModelConstructor] = {}
+PATH_SEPARATOR = ':'
+# Where the contract of a model from outside capsjax is written down.
+CONTRACT_DOC = 'docs/own_model.md'
+
+
+class ModelNotFound(ValueError):
+  """A 'module:QualName' model not found here: its module does not import,
+  or holds no such name."""
+
+
+def _constructor_parameters(constructor: ModelConstructor
+                            ) -> list[inspect.Parameter]:
+  """The parameters a constructor is called with (a class's ``__init__``
+  without ``self``)."""
+  if isinstance(constructor, type):
+    return list(inspect.signature(constructor.__init__).parameters.values()
+                )[1:]
+  return list(inspect.signature(constructor).parameters.values())
+
+
+def _takes_any_keyword(constructor: ModelConstructor) -> bool:
+  return any(p.kind == p.VAR_KEYWORD
+             for p in _constructor_parameters(constructor))
+
+
+def _check_constructor(name: str, constructor: Any) -> None:
+  """ValueError unless ``constructor`` builds models as capsjax calls it:
+  an ``nnx.Module`` class or a function, taking the keyword ``rngs``."""
+  what = getattr(constructor, '__name__', repr(constructor))
+  if isinstance(constructor, type):
+    if not issubclass(constructor, nnx.Module):
+      raise ValueError(f'model {name!r}: {what} is not a flax.nnx.Module '
+                       f'subclass; see {CONTRACT_DOC}.')
+  elif not callable(constructor):
+    raise ValueError(f'model {name!r} names {what}, which is neither a '
+                     f'model class nor a function; see {CONTRACT_DOC}.')
+  names = {p.name for p in _constructor_parameters(constructor)
+           if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+  if 'rngs' not in names and not _takes_any_keyword(constructor):
+    raise ValueError(f'model {name!r}: {what} takes no keyword rngs; a model '
+                     f'is built as {what}(rngs=nnx.Rngs(...), **options); '
+                     f'see {CONTRACT_DOC}.')
+
+
+def register(name: str, constructor: ModelConstructor) -> ModelConstructor:
+  """Adds ``constructor`` (a model class, or a function that builds a
+  model) under ``name``: ``create_model(name, ...)`` and
+  ``config.model = name`` then build it. Returns ``constructor``.
+
+  A workdir records a name registered here as the constructor's
+  'module:QualName' path (``portable_name``), so that a new process loads
+  it by importing that module. ValueError for a name that holds ':' (an
+  import path needs no registering), is taken by another constructor, or a
+  constructor that takes no keyword ``rngs``.
+  """
+  if not isinstance(name, str) or not name.strip() or name != name.strip():
+    raise ValueError(f'a model name is a non-empty string without outer '
+                     f'spaces, got {name!r}.')
+  if PATH_SEPARATOR in name:
+    raise ValueError(f'model name {name!r} holds {PATH_SEPARATOR!r}, which '
+                     f'marks an import path: config.model = {name!r} '
+                     f'imports it without registering.')
+  _check_constructor(name, constructor)
+  taken = _REGISTRY.get(name)
+  # The same definition again (a notebook cell run twice) replaces itself.
+  if taken is not None and _qualified(taken) != _qualified(constructor):
+    raise ValueError(f'model name {name!r} is taken by '
+                     f'{_qualified(taken)}; register {_qualified(constructor)}'
+                     f' under another name.')
+  _REGISTRY[name] = constructor
+  return constructor
+
+
+def _qualified(constructor: Any) -> str:
+  """'module:QualName' as the constructor says it, importable or not."""
+  module = getattr(constructor, '__module__', None) or '?'
+  qualname = getattr(constructor, '__qualname__', None) or repr(constructor)
+  return f'{module}{PATH_SEPARATOR}{qualname}'
+
+
+def import_path(constructor: ModelConstructor) -> str:
+  """'module:QualName' of a model class or a module-level function,
+  checked to name ``constructor`` again (ValueError for a lambda, a
+  function or class defined inside a function, a ``functools.partial``):
+  what ``config.model`` holds for a model of yours given from Python."""
+  path = _qualified(constructor)
+  if '<' in path or '?' in path:
+    raise ValueError(
+        f'{path} cannot be imported by name (a lambda, a partial, or defined '
+        f'inside a function): define the model class or function at the top '
+        f'level of a module, so that a workdir trained with it can be '
+        f'loaded again; see {CONTRACT_DOC}.')
+  try:
+    found = _import_constructor(path)
+  except ValueError as e:
+    raise ValueError(f'{path} is not found where its name says: {e}') from e
+  if found is not constructor:
+    raise ValueError(f'{path} names another object than the model given '
+                     f'(redefined or replaced since); give the current one.')
+  return path
+
+
+def _import_constructor(path: str) -> ModelConstructor:
+  """The model constructor at 'module:QualName' (ValueError naming what is
+  missing and what to do)."""
+  module_name, _, qualname = path.partition(PATH_SEPARATOR)
+  if not module_name or not qualname:
+    raise ValueError(f'model path {path!r} must be module:Class, e.g. '
+                     f"'my_package.my_models:TwoLayerCapsNet'.")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ModelNotFound(
+        f'cannot import module {module_name!r} of model {path!r} ({e}): '
+        f'install it, or put the folder it is in on PYTHONPATH (or on '
+        f'sys.path, or run from that folder), so that '
+        f'`import {module_name}` works.') from e
+  found: Any = module
+  for part in qualname.split('.'):
+    found = getattr(found, part, None)
+    if found is None:
+      break
+  if found is None:
+    if module_name == '__main__':
+      raise ModelNotFound(
+          f'model {path!r} was defined in a script or notebook (__main__), '
+          f'and this one defines no {qualname}: define or import it in '
+          f'__main__ first, or move it into a module of its own.')
+    models = sorted(n for n, v in vars(module).items()
+                    if isinstance(v, type) and issubclass(v, nnx.Module)
+                    and v.__module__ == module.__name__
+                    and not n.startswith('_'))
+    raise ModelNotFound(
+        f'module {module_name} ({getattr(module, "__file__", "built in")}) '
+        f'has no {qualname!r}; its model classes: '
+        f'{", ".join(models) or "none"}.')
+  _check_constructor(path, found)
+  return found
+
 
 def list_models() -> tuple[str, ...]:
-  """Names accepted by ``create_model``, sorted."""
-  return tuple(sorted(_MODELS))
+  """The registered names accepted by ``create_model``, sorted (the
+  built-in models and those given to ``register``; any 'module:Class'
+  path is accepted too)."""
+  return tuple(sorted(_REGISTRY))
+
+
+def model_class(name: str) -> ModelConstructor:
+  """What builds model ``name``: a registered name (``list_models``) or a
+  'module:QualName' path, imported. ValueError if unknown or not a model
+  constructor (``ModelNotFound`` when a path's module does not import or
+  lacks the name)."""
+  if isinstance(name, str) and name in _REGISTRY:
+    return _REGISTRY[name]
+  if isinstance(name, str) and PATH_SEPARATOR in name:
+    return _import_constructor(name)
+  raise ValueError(
+      f'unknown model {name!r}; valid names: {", ".join(list_models())} '
+      f'(a name given to models.register exists once the module that '
+      f"registers it is imported); or a model of yours as 'module:Class' "
+      f'(see {CONTRACT_DOC}).')
+
+
+def portable_name(name: str) -> str:
+  """``name`` as a workdir records it: one a new process resolves. Built-in
+  names and 'module:QualName' paths stay; a name given to ``register`` from
+  outside capsjax becomes its constructor's path (``import_path``), or stays
+  when that path does not lead back to it."""
+  constructor = model_class(name)
+  if PATH_SEPARATOR in name or name in BUILT_IN_MODELS:
+    return name
+  try:
+    return import_path(constructor)
+  except ValueError:
+    return name
+
+
+def _option_parameters(constructor: ModelConstructor
+                       ) -> dict[str, inspect.Parameter]:
+  return {p.name: p for p in _constructor_parameters(constructor)
+          if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+          and p.name != 'rngs'}
 
 
 def model_options(name: str) -> dict[str, object]:
-  """The options of model ``name`` and their defaults."""
-  cls = model_class(name)
-  return {p.name: p.default
-          for p in inspect.signature(cls.__init__).parameters.values()
-          if p.kind == p.KEYWORD_ONLY and p.name != 'rngs'}
-
-
-def model_class(name: str) -> type[nnx.Module]:
-  """The class behind registry name ``name`` (ValueError if unknown)."""
-  if name not in _MODELS:
-    raise ValueError(
-        f'unknown model {name!r}; valid names: {", ".join(list_models())}.')
-  return _MODELS[name]
+  """The options of model ``name`` and their defaults
+  (``inspect.Parameter.empty`` for an option it requires)."""
+  return {option: p.default
+          for option, p in _option_parameters(model_class(name)).items()}
 
 
 def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
   """Builds model ``name`` with keyword ``options`` (see ``model_options``).
 
   Raises ValueError for an unknown name, an unknown option (listing the valid
-  ones) or an invalid value (non-positive widths, zero iterations, a kernel
-  larger than its input grid, ...).
+  ones), a required option left out, or an invalid value (non-positive
+  widths, zero iterations, a kernel larger than its input grid, ...).
   """
-  cls = model_class(name)
-  if hasattr(cls, 'upgrade_options'):
-    options = cls.upgrade_options(options)
-  valid = model_options(name)
+  constructor = model_class(name)
+  if hasattr(constructor, 'upgrade_options'):
+    options = constructor.upgrade_options(options)
+  valid = _option_parameters(constructor)
   unknown = sorted(set(options) - set(valid))
-  if unknown:
+  if unknown and not _takes_any_keyword(constructor):
     raise ValueError(
         f'unknown option(s) {unknown} for model {name!r}; valid options: '
         f'{", ".join(sorted(valid))}.')
-  return cls(rngs=rngs, **options)
+  missing = sorted(option for option, p in valid.items()
+                   if p.default is p.empty and option not in options)
+  if missing:
+    raise ValueError(f'model {name!r} requires the option(s) {missing}; set '
+                     f'config.model_options.{missing[0]} (and the others).')
+  model = constructor(rngs=rngs, **options)
+  if not isinstance(model, nnx.Module):
+    raise ValueError(f'model {name!r} built a {type(model).__name__}, not a '
+                     f'flax.nnx.Module; see {CONTRACT_DOC}.')
+  return model
+
+
+# The models here, registered as yours are.
+_BUILT_IN = {'capsnet': CapsNet, 'baseline_cnn': BaselineCNN,
+             'efficient_capsnet': EfficientCapsNet,
+             'matrix_capsnet': MatrixCapsNet,
+             'two_digit_baseline': TwoDigitBaseline,
+             'two_digit_capsnet': TwoDigitCapsNet}
+BUILT_IN_MODELS = tuple(sorted(_BUILT_IN))
+for _name, _cls in _BUILT_IN.items():
+  register(_name, _cls)
+del _name, _cls
 
 
 def count_params(model: nnx.Module) -> int:
@@ -892,15 +1088,21 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = (
+    'BUILT_IN_MODELS',
     'BaselineCNN',
     'CapsNet',
     'EfficientCapsNet',
     'MatrixCapsNet',
     'TwoDigitBaseline',
     'TwoDigitCapsNet',
+    'ModelConstructor',
+    'ModelNotFound',
     'count_params',
     'create_model',
+    'import_path',
     'list_models',
     'model_class',
     'model_options',
+    'portable_name',
+    'register',
 )

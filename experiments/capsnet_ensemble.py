@@ -55,7 +55,8 @@ def run_ensemble(config: ml_collections.ConfigDict, workdir: str
           f'{config.seed + index}) in {member} ---', flush=True)
     summaries.append(training.train(member_config(config, index), member))
   splits = ensemble.ensemble_workdirs(
-      members, splits=('test', 'validation') if config.validation_size
+      members, load_context=training.load_context,
+      splits=('test', 'validation') if config.validation_size
       else ('test',), data_dir=config.data_dir or None)
   record = {
       'experiment': f'an ensemble of {len(members)} CapsNets, '

@@ -9,6 +9,7 @@ error, naming that process.
 """
 
 import contextlib
+import inspect
 import os
 import re
 import sys
@@ -146,12 +147,10 @@ def _nearest_keys(spec: str, key: str) -> list[str]:
         yield from flat(value, f'{prefix}{name}.')
       yield f'{prefix}{name}'
   keys = list(flat(config))
-  from capsjax import models
-  if config.get('model') in models.list_models():
-    # Every option of the model, set or not.
-    keys += [f'model_options.{name}' for name in
-             models.model_options(config.model)
-             if f'model_options.{name}' not in keys]
+  # Every option of the model, set or not.
+  keys += [f'model_options.{name}' for name in
+           _model_options(config.get('model'))
+           if f'model_options.{name}' not in keys]
   leaf = key.split('.')[-1]
   exact = [k for k in keys if k.split('.')[-1] == leaf and k != key]
   return exact or difflib.get_close_matches(key, keys, n=3)
@@ -210,16 +209,30 @@ def _key_comments(path: str) -> dict[str, str]:
   return meanings
 
 
+def _model_options(model) -> dict:
+  """The options of ``config.model`` (a name or a 'module:Class' of
+  yours) and their defaults; {} when it names no model."""
+  from capsjax import models  # imports jax: after the flags
+  try:
+    return models.model_options(model)
+  except ValueError:
+    return {}
+
+
 def _option_meaning(key: str, flat: dict, models) -> str:
   """``[PREFIX.]model_options.OPTION`` -> which model's option it is."""
   prefix, _, option = key.partition('model_options.')
   model = flat.get(f'{prefix}model')
-  if '.' in option or model not in models.list_models():
+  options = _model_options(model)
+  if '.' in option or not options:
     return ''
-  default = models.model_options(model).get(option, '?')
-  return (f'option {option} of capsjax.models.'
-          f'{models.model_class(model).__name__} (default {default!r}; its '
-          f'docstring says what it does)')
+  default = options.get(option, '?')
+  shown = ('required' if default is inspect.Parameter.empty else
+           f'default {default!r}')
+  constructor = models.model_class(model)
+  return (f'option {option} of {constructor.__module__}.'
+          f'{constructor.__qualname__} ({shown}; its docstring says what '
+          f'it does)')
 
 
 def key_meaning(key: str, meanings: dict[str, str], flat: dict, models

@@ -19,13 +19,13 @@ import pytest
 from flax import nnx
 from jax._src.interpreters import partial_eval as pe
 
-from capsjax import families
 from capsjax import kernels
 from capsjax import layers
 from capsjax import losses
 from capsjax import nn
 from capsjax.kernels.conv import onednn
 from capsjax.training import matrix_capsules
+from capsjax.training import runs
 from capsjax.training import state as state_lib
 from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
@@ -76,7 +76,7 @@ def _gradient_only(graphdef, state, optimizer, loss_fn, dtype=None):
 def _train_step_jaxpr(config, monkeypatch):
   """The jaxpr of ``config``'s float64 train step (loss and gradient) and
   its outputs' dtypes; jax_enable_x64 must be on."""
-  trainer = families.of(config.model).trainer
+  trainer = runs.family(config)
   model = state_lib.create_model(config, seed=0)
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
   params = jax.tree.map(lambda x: x.astype(jnp.float64), params)

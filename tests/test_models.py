@@ -12,6 +12,7 @@ from flax import nnx
 from capsjax import families
 from capsjax import models
 from capsjax import routing
+from capsjax import training
 
 # Small widths: the full models are slow to compile and run on a CPU.
 SMALL_CAPSNET = dict(conv1_channels=16, primary_types=4,
@@ -54,8 +55,9 @@ def test_registry_lists_every_model_with_a_family():
       'baseline_cnn': 'cnn', 'capsnet': 'capsnet',
       'efficient_capsnet': 'capsnet', 'matrix_capsnet': 'em',
       'two_digit_baseline': 'two_digit', 'two_digit_capsnet': 'two_digit'}
-  assert {families.of(name).trainer.__name__ for name in names} == {
-      'capsjax.training.vector_capsules', 'capsjax.training.matrix_capsules'}
+  assert {training.runs.trainer_of(families.of(name)).__name__
+          for name in names} == {'capsjax.training.vector_capsules',
+                                 'capsjax.training.matrix_capsules'}
   assert families.of(models.create_model(
       'two_digit_baseline', rngs=nnx.Rngs(0))) is families.of(
           'two_digit_capsnet')

@@ -2,6 +2,7 @@
 configs, their input pipelines, their smoke runs on release files the tests
 write, and the ensemble evaluation."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -207,24 +208,25 @@ def _tiny_contexts(tmp_path, dataset, num):
   config.model_options.update(conv1_channels=4, primary_types=2)
   steps = vector_capsules.make_steps(config, state_lib.make_optimizer(config))
   contexts = {}
+  # Opens the other members as training.load_context would.
+  load_workdir = lambda workdir, which, data_dir: contexts[workdir]  # noqa: E731
   for seed in range(num):
     workdir = tmp_path / f'model_{seed}'
     workdir.mkdir()
     contexts[str(workdir)] = evaluators.Context(
         model=state_lib.create_model(config, seed=seed), config=config,
         workdir=str(workdir), evaluate_split=None,
-        eval_inputs=steps.eval_inputs, load_dataset=lambda: dataset)
+        eval_inputs=steps.eval_inputs, load_dataset=lambda: dataset,
+        load_workdir=load_workdir)
   return contexts
 
 
-def test_ensemble_averages_the_members_scores(tmp_path, monkeypatch):
+def test_ensemble_averages_the_members_scores(tmp_path):
   rng = np.random.default_rng(0)
   split = data_lib.Split(rng.integers(0, 256, (40, 32, 32, 3), np.uint8),
                          rng.integers(0, 10, 40).astype(np.int32))
   dataset = data_lib.Dataset(split, split, split, 10, 'cifar10')
   contexts = _tiny_contexts(tmp_path, dataset, 3)
-  monkeypatch.setattr(ensemble, '_open',
-                      lambda workdir, which, data_dir: contexts[workdir])
   first, *members = contexts
   result = ensemble.evaluate(contexts[first], members=members)
   # Each model's scores, counted directly.
@@ -240,9 +242,14 @@ def test_ensemble_averages_the_members_scores(tmp_path, monkeypatch):
       result['member_accuracies'],
       [np.mean(s.argmax(-1) == split.labels) for s in scores])
   # ensemble_workdirs: the same from the workdirs, both splits at once.
-  both = ensemble.ensemble_workdirs(list(contexts),
-                                    splits=('test', 'validation'))
+  both = ensemble.ensemble_workdirs(
+      list(contexts), load_context=contexts[first].load_workdir,
+      splits=('test', 'validation'))
   assert both['test'] == both['validation'] == result
+  # A context that cannot open workdirs says so.
+  alone = dataclasses.replace(contexts[first], load_workdir=None)
+  with pytest.raises(ValueError, match='this context has none'):
+    ensemble.evaluate(alone, members=members)
   with pytest.raises(ValueError, match='split'):
     ensemble.evaluate(contexts[first], split='train')
   with pytest.raises(ValueError, match='not a directory'):

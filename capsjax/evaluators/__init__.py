@@ -57,6 +57,9 @@ class Context:
     ``dataset``.
   write_files: whether this process writes files (process 0 of a
     multi-process run).
+  load_workdir: (workdir, which, data_dir) -> the Context of another
+    trained workdir (``training.load_context``, which training passes in:
+    this package imports nothing of training); None where none is given.
   """
   model: nnx.Module
   config: ml_collections.ConfigDict
@@ -65,6 +68,7 @@ class Context:
   eval_inputs: Callable[[Any], Any]
   load_dataset: Callable[[], data_lib.Dataset]
   write_files: bool = True
+  load_workdir: Callable[[str, str, str | None], Context] | None = None
 
   @functools.cached_property
   def dataset(self) -> data_lib.Dataset:

@@ -8,10 +8,11 @@ models". The official code's ``experiment.evaluate_ensemble`` sums the
 class capsules' lengths of the 7 checkpoints on each test image and takes
 the argmax; the mean taken here has the same argmax. The run's own model
 is the first member; ``members`` names the other trained workdirs (each
-read with ``training.load_context``, its own evaluation preprocessing
-applied). ``ensemble_workdirs(workdirs)`` does the same for trained
-workdirs alone. Returns {'accuracy', 'error', 'num_models',
-'member_accuracies', 'num_examples'}.
+opened by the context's ``load_workdir``, ``training.load_context``, its
+own evaluation preprocessing applied).
+``ensemble_workdirs(workdirs, load_context=training.load_context)`` does
+the same for trained workdirs alone. Returns {'accuracy', 'error',
+'num_models', 'member_accuracies', 'num_examples'}.
 
 Shape legend: M models, N examples, K classes.
 """
@@ -19,6 +20,7 @@ Shape legend: M models, N examples, K classes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,20 +90,22 @@ def check(config: ml_collections.ConfigDict, *, members: Sequence[str] = (),
                        'trained workdir).')
 
 
-def _open(workdir: str, which: str, data_dir: str | None
-          ) -> evaluators.Context:
-  # Imported here: training imports the evaluators, so this module may not
-  # import training at its top.
-  from capsjax import training
-  return training.load_context(workdir, which, data_dir=data_dir)
+LoadWorkdir = Callable[[str, str, str | None], evaluators.Context]
 
 
-def _members(context: evaluators.Context, members: Sequence[str], which: str
+def _members(context: evaluators.Context, members: Sequence[str], which: str,
+             load_workdir: LoadWorkdir | None = None
              ) -> list[evaluators.Context]:
-  """The context and the members' contexts, checked to share their data."""
+  """The context and the members' contexts (opened by ``load_workdir``,
+  default the context's), checked to share their data."""
+  load_workdir = load_workdir or context.load_workdir
+  if members and load_workdir is None:
+    raise ValueError('the ensemble evaluator opens its members with the '
+                     "context's load_workdir, and this context has none "
+                     '(training.train and training.load_context give one).')
   contexts = [context]
   for member in members:
-    other = _open(member, which, context.config.data_dir or None)
+    other = load_workdir(member, which, context.config.data_dir or None)
     if (other.config.dataset != context.config.dataset or
         other.config.validation_size != context.config.validation_size):
       raise ValueError(
@@ -142,17 +146,18 @@ def evaluate(context: evaluators.Context, *, members: Sequence[str] = (),
   return _metrics(_members(context, members, which), *data)
 
 
-def ensemble_workdirs(workdirs: Sequence[str], *,
+def ensemble_workdirs(workdirs: Sequence[str], *, load_context: LoadWorkdir,
                       splits: Sequence[str] = ('test',),
                       which: str = 'selected', data_dir: str | None = None
                       ) -> dict[str, dict[str, Any]]:
   """``evaluate`` of trained workdirs on each of ``splits`` (split -> its
-  metrics): every model loaded once, the first one's dataset read once."""
+  metrics): every model loaded once by ``load_context`` (pass
+  ``training.load_context``), the first one's dataset read once."""
   if not workdirs:
     raise ValueError('an ensemble needs at least one trained workdir.')
-  context = _open(workdirs[0], which, data_dir)
+  context = load_context(workdirs[0], which, data_dir)
   for split in splits:
     check(context.config, members=workdirs[1:], split=split, which=which)
-  contexts = _members(context, workdirs[1:], which)
+  contexts = _members(context, workdirs[1:], which, load_context)
   return {split: _metrics(contexts, *getattr(context.dataset, split))
           for split in splits}

@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from capsjax import models
 from capsjax.training.defaults import fill_defaults
 from capsjax.training.state import TrainState
 from capsjax.training.state import create_model
@@ -736,6 +737,10 @@ def load_trained_state(workdir: str, which: str = 'selected'
     key = str(e).strip('"\'')
     raise ValueError(f'{os.path.join(workdir, "config.json")} lacks the key '
                      f'{key!r}: not a complete capsjax config.') from e
+  except models.ModelNotFound as e:
+    raise models.ModelNotFound(
+        f'{workdir} holds a model from outside capsjax, {config.model!r}: '
+        f'{e}') from e
   graphdef, state = init_train_state(model, make_optimizer(config))
   directory = os.path.join(workdir, 'best' if which == 'best' else
                            'checkpoints')

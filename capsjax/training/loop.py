@@ -23,6 +23,7 @@ from flax import nnx
 
 from capsjax import data as data_lib
 from capsjax import evaluators
+from capsjax import models
 from capsjax.kernels import conv
 from capsjax.kernels import implementations
 from capsjax.training import metrics as metrics_lib
@@ -43,6 +44,7 @@ from capsjax.training.sharding import replicated
 from capsjax.training.sharding import take_batch
 from capsjax.training.state import ADAM_FORMS
 from capsjax.training.state import FamilySteps
+from capsjax.training.state import check_model
 from capsjax.training.state import count_params
 from capsjax.training.state import create_model
 from capsjax.training.state import init_train_state
@@ -123,8 +125,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first key of ``config`` that ``fit``
   cannot use (model options are checked by ``models.create_model``,
   ``config.evals`` by ``evaluators.check``). First adds the keys it lacks
-  (``defaults.fill_defaults``): the way into ``fit``."""
+  (``defaults.fill_defaults``) and sets ``config.model`` to the name a
+  workdir records (``models.portable_name``: a model registered from
+  outside capsjax becomes its 'module:Class' path): the way into ``fit``."""
   fill_defaults(config)
+  config.model = models.portable_name(config.model)
 
   def fail(key, requirement):
     raise ValueError(f'config.{key} must be {requirement}, got '
@@ -311,6 +316,9 @@ class _Estimate:
 
 
 StopWhen = Callable[[dict[str, Any]], str | None]
+# (workdir, which, data_dir) -> a trained workdir's evaluators.Context
+# (training.load_context: it imports the trainers, which import this module).
+LoadWorkdir = Callable[[str, str, str | None], evaluators.Context]
 
 
 class _Run:
@@ -318,9 +326,10 @@ class _Run:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                steps: FamilySteps, dataset: data_lib.Dataset,
-               stop_when: StopWhen | None = None):
+               stop_when: StopWhen | None = None,
+               load_workdir: LoadWorkdir | None = None):
     self.config, self.workdir, self.dataset = config, workdir, dataset
-    self.stop_when = stop_when
+    self.stop_when, self.load_workdir = stop_when, load_workdir
     self.train_batch = steps.train_batch
     self.eval_inputs = steps.eval_inputs
     # In a multi-process run every process runs this; process 0 alone writes
@@ -547,7 +556,8 @@ class _Run:
         model=nnx.merge(self.graphdef, params, model_state),
         config=self.config, workdir=self.workdir,
         evaluate_split=self.evaluate, eval_inputs=self.eval_inputs,
-        load_dataset=lambda: self.dataset, write_files=self.chief)
+        load_dataset=lambda: self.dataset, write_files=self.chief,
+        load_workdir=self.load_workdir)
 
   def close(self) -> None:
     self.checkpoints.close()
@@ -556,7 +566,8 @@ class _Run:
 
 def fit(config: ml_collections.ConfigDict, workdir: str,
         steps: FamilySteps, dataset: data_lib.Dataset, *,
-        stop_when: StopWhen | None = None) -> dict[str, Any]:
+        stop_when: StopWhen | None = None,
+        load_workdir: LoadWorkdir | None = None) -> dict[str, Any]:
   """Train, checkpoint, resume, select on validation, test once, summarise.
 
   ``stop_when(best validation record) -> reason or None``, asked after each
@@ -564,25 +575,40 @@ def fit(config: ml_collections.ConfigDict, workdir: str,
   rerun of a run it stopped does not train further); the summary then says
   ``stopped_early``. ``config.evals`` (see
   ``capsjax.evaluators``) run on the selected model after the test set,
-  into ``summary['evals']``.
+  into ``summary['evals']``; ``load_workdir`` is how they open other
+  trained workdirs (``training.load_context``; ``training.train`` passes
+  it).
 
   Returns the summary also written to ``workdir/summary.json``.
   """
   check_config(config)
   evaluators.check(config)  # before any training: a bad option fails now
+  # The model's outputs, from shapes alone: a model that lacks what its
+  # family's losses read fails now, in one line, with nothing written.
+  check_model(config, model_input_shape(steps, dataset), dataset.num_classes)
   workdir = os.path.abspath(workdir)
   _make_writable_dir(workdir)
   # One writer per workdir (each process of a multi-process job its own
   # lock file); held until the summary is written.
   with hold_workdir(workdir, 'training', process_index=jax.process_index()):
-    return _fit(config, workdir, steps, dataset, stop_when)
+    return _fit(config, workdir, steps, dataset, stop_when, load_workdir)
+
+
+def model_input_shape(steps: FamilySteps, dataset: data_lib.Dataset
+                      ) -> tuple[int, ...]:
+  """[H, W, C] the model reads: the evaluation inputs of one test image,
+  as a shape (no test image is read)."""
+  image = jax.ShapeDtypeStruct((1, *dataset.test.images.shape[1:]),
+                               dataset.test.images.dtype)
+  return tuple(jax.eval_shape(steps.eval_inputs, image).shape[1:])
 
 
 def _fit(config: ml_collections.ConfigDict, workdir: str,
          steps: FamilySteps, dataset: data_lib.Dataset,
-         stop_when: StopWhen | None) -> dict[str, Any]:
+         stop_when: StopWhen | None,
+         load_workdir: LoadWorkdir | None) -> dict[str, Any]:
   """``fit`` in a workdir this process holds."""
-  run = _Run(config, workdir, steps, dataset, stop_when)
+  run = _Run(config, workdir, steps, dataset, stop_when, load_workdir)
   run.say(run.header())
   if run.step >= config.num_train_steps or run.stop_reason():
     run.say(f'{workdir} has finished training (step {run.step}): nothing is '

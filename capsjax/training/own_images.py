@@ -171,6 +171,13 @@ def with_data_shapes(config: ml_collections.ConfigDict,
   config.unlock()
   shape = tuple(int(n) for n in dataset.train.images.shape[1:])
   valid = models.model_options(config.model)
+  if 'num_classes' not in valid or not {'input_shape',
+                                        'input_channels'} & set(valid):
+    raise ValueError(
+        f'model {config.model!r} takes the options {", ".join(valid)}; on '
+        f'your own images the data sets num_classes and input_shape (or '
+        f'input_channels, for a model of any image size): give its '
+        f'constructor those keywords (docs/own_model.md).')
   if 'input_shape' in valid:
     config.model_options.input_shape = shape
   if 'input_channels' in valid:
@@ -238,12 +245,15 @@ def capsule_counts(model: nnx.Module, input_shape: Sequence[int]) -> str:
   if 'coupling' not in outputs:
     return 'no capsules'
   _, num_in, num_out = outputs['coupling'].shape
-  kind = ('primary capsules' if isinstance(
-      model, models.CapsNet | models.EfficientCapsNet) else
-          'input capsules (trunk positions)')
-  dim = outputs['capsules'].shape[-1]
-  return (f'{num_in:,} {kind}, {num_in * num_out:,} votes ({dim}-D) per '
-          f'image')
+  if isinstance(model, models.CapsNet | models.EfficientCapsNet):
+    kind = 'primary capsules'
+  elif isinstance(model, models.TwoDigitCapsNet):
+    kind = 'input capsules (trunk positions)'
+  else:  # a model of yours: its 'coupling' is that of the class capsules
+    kind = 'capsules routed to the class capsules'
+  dim = (f' ({outputs["capsules"].shape[-1]}-D)' if 'capsules' in outputs
+         else '')
+  return f'{num_in:,} {kind}, {num_in * num_out:,} votes{dim} per image'
 
 
 def _abstract_state(params, model_state, optimizer) -> state_lib.TrainState:
@@ -371,10 +381,12 @@ def what_fits(config: ml_collections.ConfigDict, size: ModelSize,
                 if 0 < batch < config.batch_size else '--config.batch_size')
   types = {'capsnet': 'primary_types', 'matrix_capsnet': 'B, C, D',
            'baseline_cnn': 'conv_channels',
-           'efficient_capsnet': 'conv_channels'}.get(config.model,
-                                                     'trunk_widths')
+           'efficient_capsnet': 'conv_channels',
+           'two_digit_baseline': 'trunk_widths',
+           'two_digit_capsnet': 'trunk_widths'}.get(config.model)
   advice.append(f'the capsule types or widths (--config.model_options.'
-                f'{types})')
+                f'{types})' if types else "the model's capsule types or "
+                'widths (its --config.model_options)')
   return advice
 
 
@@ -439,6 +451,10 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, trainer,
   make_optimizer = _optimizer_factory(trainer)
   optimizer = make_optimizer(config)
   steps = trainer.make_steps(config, optimizer)
+  # Before the size is traced from the steps: a model without the outputs
+  # its family reads is one line, not a failure inside the trace.
+  state_lib.check_model(config, loop.model_input_shape(steps, dataset),
+                        len(own.class_names))
   size = model_size(config, steps, optimizer, dataset)
   available = available_bytes(config)
   for line in describe_size(config, size, available):
@@ -449,13 +465,16 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, trainer,
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       trainer, say: Callable[[str], None] = print
+                       trainer, say: Callable[[str], None] = print, *,
+                       load_workdir: loop.LoadWorkdir | None = None
                        ) -> dict[str, Any]:
   """Train ``config.model`` (its family's ``trainer``) on
-  ``config.images``; ``loop.fit``'s summary. ``classes.json`` in the
-  workdir then maps the class indices to names."""
+  ``config.images``; ``loop.fit``'s summary (``load_workdir``: see
+  ``loop.fit``). ``classes.json`` in the workdir then maps the class
+  indices to names."""
   config, steps, dataset, own = prepare(config, workdir, trainer, say)
-  summary = loop.fit(config, workdir, steps, dataset)
+  summary = loop.fit(config, workdir, steps, dataset,
+                     load_workdir=load_workdir)
   if jax.process_index() == 0:  # one writer of the run's files
     metrics_lib.write_json_atomic(
         os.path.join(os.path.abspath(workdir), 'classes.json'),

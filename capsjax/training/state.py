@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from capsjax import data as data_lib
+from capsjax import families
 from capsjax import models
 from capsjax.training.defaults import fill_defaults
 
@@ -133,6 +134,24 @@ def create_model(config: ml_collections.ConfigDict, seed: int | None = None
   return models.create_model(
       config.model, rngs=nnx.Rngs(params=seed, dropout=seed + 1),
       **model_options(config))
+
+
+def check_model(config: ml_collections.ConfigDict,
+                input_shape: tuple[int, ...], num_classes: int | None
+                ) -> None:
+  """ValueError, one line, unless ``config.model`` builds from its options
+  and, called as the train step calls it (a batch of 2 images of
+  ``input_shape`` [H, W, C], int labels, ``train=True``), returns what its
+  family's losses read (``Family.check_outputs``; ``num_classes`` K of the
+  data when known). From shapes alone: nothing is computed."""
+  family = families.of(config.model)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: create_model(config)))
+  images = jax.ShapeDtypeStruct((2, *input_shape), jnp.float32)
+  labels = jax.ShapeDtypeStruct((2,), jnp.int32)
+  outputs = jax.eval_shape(
+      lambda s, x, y: nnx.merge(graphdef, s)(x, y, train=True), abstract,
+      images, labels)
+  family.check_outputs(outputs, images.shape, num_classes, repr(config.model))
 
 
 def init_train_state(model: nnx.Module,

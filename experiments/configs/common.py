@@ -14,7 +14,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.data_dir = ''
   # Images held out of the end of the training split to select the model on.
   config.validation_size = 5000
-  # The model's registry name (capsjax.models.list_models()).
+  # The model's registry name (capsjax.models.list_models()), or a model
+  # class of yours as 'module:Class' (docs/own_model.md).
   config.model = 'capsnet'
   # Keyword options of that model (capsjax.models.model_options(name)).
   config.model_options = ml_collections.ConfigDict()
