@@ -202,7 +202,22 @@ def _plain_text_docstring(app, what, name, obj, options, lines):
   lines[:] = ['::', ''] + ['   ' + line for line in text.splitlines()] + ['']
 
 
+def _init_signature(app, what, name, obj, options, signature,
+                    return_annotation):
+  """A Flax NNX module's constructor arguments: NNX's metaclass shows
+  ``(*args, **kwargs)`` to autodoc."""
+  if what != 'class' or signature != '(*args: Any, **kwargs: Any)':
+    return None
+  from sphinx.util import inspect as sphinx_inspect
+  init = sphinx_inspect.signature(
+      obj.__init__, bound_method=True,
+      type_aliases=app.config.autodoc_type_aliases)
+  return sphinx_inspect.stringify_signature(
+      init, show_return_annotation=False), return_annotation
+
+
 def setup(app):
+  app.connect('autodoc-process-signature', _init_signature)
   # After napoleon (priority 500): the original docstring replaces its
   # output.
   app.connect('autodoc-process-docstring', _plain_text_docstring,

@@ -1,30 +1,12 @@
-"""What a pip install ships: the library, not the repository's experiments."""
+"""What a pip install ships: the library, not the repository's experiments
+(the built wheel itself: tests/test_wheel.py); output piped into a reader
+that stops early."""
 
 import os
 import subprocess
 import sys
-import zipfile
-
-import pytest
 
 from tests.conftest import REPO
-
-
-@pytest.mark.slow
-def test_wheel_ships_capsjax_only(tmp_path):
-  subprocess.run(
-      [sys.executable, '-m', 'pip', 'wheel', '--no-deps',
-       '-q', '-w', str(tmp_path), REPO],
-      check=True, capture_output=True, timeout=300)
-  (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith('.whl')]
-  names = zipfile.ZipFile(tmp_path / wheel).namelist()
-  top = {name.split('/')[0] for name in names}
-  assert 'capsjax' in top and 'experiments' not in top, sorted(top)
-  # The C++ sources (oneDNN's convolutions, the EM kernel) travel with it.
-  assert 'capsjax/conv/csrc/onednn_conv.cc' in names
-  assert 'capsjax/csrc/em_routing.cc' in names
-  # The Apache-2.0 text that pyproject.toml's license names.
-  assert any(name.endswith('.dist-info/licenses/LICENSE') for name in names)
 
 
 def test_experiments_run_from_a_clone():

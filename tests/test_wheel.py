@@ -85,6 +85,11 @@ def _run(python, work, script: str, **env_changes):
 
 def test_sdist_and_wheel_carry_what_capsjax_needs_at_run_time(dist):
   wheel = zipfile.ZipFile(dist['wheel']).namelist()
+  # The library, not the repository's experiments; the Apache-2.0 text
+  # that pyproject.toml's license names.
+  top = {name.split('/')[0] for name in wheel}
+  assert 'capsjax' in top and 'experiments' not in top, sorted(top)
+  assert any(name.endswith('.dist-info/licenses/LICENSE') for name in wheel)
   with tarfile.open(dist['sdist']) as sdist:
     in_sdist = ['/'.join(name.split('/')[1:]) for name in sdist.getnames()]
   for name in _DATA_FILES:
@@ -151,7 +156,7 @@ labels = jnp.arange(8) % 10
 
 def loss_fn(model):
   scores = model(images)['class_scores']
-  return jnp.mean(capsjax.margin_loss(scores, labels)), {}
+  return jnp.mean(capsjax.margin_loss(scores, jax.nn.one_hot(labels, 10))), {}
 
 
 step = jax.jit(lambda state: state_lib.gradient_step(

@@ -14,7 +14,12 @@ exactly the floors (``pip check`` too), then runs in it:
 - the routing, layer and model unit tests (``UNIT_TESTS``), and
 - a few training steps of the smoke CapsNet experiment on a small synthetic
   MNIST, which save an orbax checkpoint, and then a rerun that resumes
-  from it.
+  from it;
+- then, with jax and jaxlib upgraded to their newest releases over the
+  other floors (``NEWEST``), the training steps again: a user whose
+  environment holds the floors of flax or orbax-checkpoint and who installs
+  capsjax gets the newest jax beside them (pip keeps what satisfies a
+  requirement), and the floor of each must work with it too.
 
 ``--pin NAME==VERSION`` replaces one floor (to bisect a floor before
 raising it in pyproject.toml); ``--venv`` keeps the environment in a
@@ -43,6 +48,9 @@ UNIT_TESTS = ('tests/test_routing.py', 'tests/test_votes.py',
 # version (tools, not floors: they constrain none of capsjax's
 # dependencies).
 TEST_TOOLS = ('pytest>=8', 'hypothesis>=6.100')
+# Upgraded to their newest releases over the other floors, for a second run
+# of the training steps.
+NEWEST = ('jax', 'jaxlib')
 _FLOOR = re.compile(r'^\s*([A-Za-z0-9_.\-]+)\s*>=\s*([^,;\s]+)')
 
 
@@ -164,6 +172,8 @@ def main() -> int:
   parser.add_argument('--keep_going', action='store_true',
                       help='run every unit test (default: stop at the first '
                       'failure)')
+  parser.add_argument('--no_newest', action='store_true',
+                      help='skip the second run, with the newest jax')
   parser.add_argument('--no_tests', action='store_true',
                       help='install and check the versions only')
   args = parser.parse_args()
@@ -193,8 +203,16 @@ def main() -> int:
     _run([python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
           *([] if args.keep_going else ['-x']), '-m', 'not slow',
           *UNIT_TESTS], cwd=REPO, env=env)
-    smoke_training(python, os.path.join(scratch, 'workdir'),
-                   synthetic_mnist(os.path.join(scratch, 'mnist')))
+    data_dir = synthetic_mnist(os.path.join(scratch, 'mnist'))
+    smoke_training(python, os.path.join(scratch, 'workdir'), data_dir)
+    if not args.no_newest:
+      _run([python, '-m', 'pip', 'install', '-q', '--upgrade',
+            '--disable-pip-version-check', '--only-binary=:all:', *NEWEST])
+      versions = installed_versions(python)
+      print('Newest over the floors: ' + ', '.join(
+          f'{name}=={versions[name]}' for name in NEWEST), flush=True)
+      smoke_training(python, os.path.join(scratch, 'workdir_newest'),
+                     data_dir)
   except subprocess.CalledProcessError as error:
     print(f'Failed on the floors: {" ".join(error.cmd)} exited with '
           f'{error.returncode}.', flush=True)
