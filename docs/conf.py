@@ -54,32 +54,14 @@ napoleon_use_ivar = True
 
 # Modules whose docstrings are written as plain text for help() (ASCII
 # formulas such as |s|^2, indented pseudo-code, "Returns: (a, b)" prose),
-# not as reStructuredText: their docstrings are shown preformatted, exactly
-# as written, instead of being parsed. Every other module's docstrings are
-# parsed (Google style, napoleon) and must be valid reStructuredText with
-# resolvable references: the strict build fails otherwise. A module leaves
-# this list once its docstrings are valid reStructuredText.
-PLAIN_TEXT_DOCSTRINGS = frozenset({
-    'capsjax.adversarial',
-    'capsjax.attention_routing',
-    'capsjax.conv',
-    'capsjax.data.augment',
-    'capsjax.data.images',
-    'capsjax.evaluators',
-    'capsjax.evaluators.two_digit_transfer',
-    'capsjax.figures',
-    'capsjax.flops',
-    'capsjax.layers',
-    'capsjax.losses',
-    'capsjax.models',
-    'capsjax.pallas_routing',
-    'capsjax.routing',
-    'capsjax.training',
-    'capsjax.training.matrix_capsules',
-    'capsjax.training.own_images',
-    'capsjax.training.vector_capsules',
-    'capsjax.votes',
-})
+# not as reStructuredText, are marked on their page of docs/api/ by the
+# comment line PLAIN_TEXT_MARK right after their automodule directive:
+# their docstrings are shown preformatted, exactly as written, instead of
+# being parsed. Every other module's docstrings are parsed (Google style,
+# napoleon) and must be valid reStructuredText with resolvable references:
+# the strict build fails otherwise. A module loses its mark once its
+# docstrings are valid reStructuredText.
+PLAIN_TEXT_MARK = '.. docstrings as plain text'
 
 # No intersphinx (the build is offline): references to other libraries'
 # types in signatures cannot resolve, and nitpicky mode ignores those only.
@@ -105,17 +87,28 @@ nitpick_ignore_regex = [
 # The documented modules are those that docs/api/*.md name in an
 # ``automodule`` directive; every public module of the package must be one
 # of them (a new or moved module without its page fails the build).
-_AUTOMODULE = re.compile(r"^\.\. automodule:: (\S+)", re.M)
+_AUTOMODULE = re.compile(r'^\.\. automodule:: (\S+)\n(.*)$', re.M)
+
+
+@functools.cache
+def _api_pages() -> dict[str, bool]:
+  """{module: whether its docstrings are plain text} of docs/api/*.md."""
+  modules = {}
+  api = os.path.join(DOCS, 'api')
+  for page in sorted(os.listdir(api)):
+    if page.endswith('.md'):
+      with open(os.path.join(api, page)) as f:
+        for name, after in _AUTOMODULE.findall(f.read()):
+          modules[name] = after.strip() == PLAIN_TEXT_MARK
+  return modules
 
 
 def documented_modules() -> set[str]:
-  names = set()
-  api = os.path.join(DOCS, 'api')
-  for page in os.listdir(api):
-    if page.endswith('.md'):
-      with open(os.path.join(api, page)) as f:
-        names.update(_AUTOMODULE.findall(f.read()))
-  return names
+  return set(_api_pages())
+
+
+def plain_text_modules() -> set[str]:
+  return {name for name, plain in _api_pages().items() if plain}
 
 
 @functools.cache
@@ -191,9 +184,9 @@ def _module_of(name: str, obj) -> str:
 
 
 def _plain_text_docstring(app, what, name, obj, options, lines):
-  """The docstring preformatted, for the modules of
-  PLAIN_TEXT_DOCSTRINGS."""
-  if _module_of(name, obj) not in PLAIN_TEXT_DOCSTRINGS or not lines:
+  """The docstring preformatted, for the modules marked
+  PLAIN_TEXT_MARK."""
+  if _module_of(name, obj) not in plain_text_modules() or not lines:
     return
   import inspect
   text = inspect.getdoc(obj) if what != 'attribute' else '\n'.join(lines)
