@@ -74,9 +74,21 @@ def declared_floors(pyproject: str = os.path.join(REPO, 'pyproject.toml')
   return floors
 
 
+def _env() -> dict[str, str]:
+  """The environment of every command here: without what would show the
+  new environment another Python's packages (PYTHONPATH: pip would count
+  them as installed, and the tests import them), and without the caller's
+  XLA_FLAGS, which may name flags that the floor's older XLA does not know
+  and dies on (the test suite's own, set for the newest jaxlib); the tests
+  and the experiments set their own for the jaxlib they run on."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('PYTHONPATH', 'PYTHONHOME', 'VIRTUAL_ENV', 'XLA_FLAGS')}
+  return env | {'CAPSJAX_NO_PROGRESS': '1'}
+
+
 def _run(command: list[str], **kwargs) -> None:
   print('+', ' '.join(command), flush=True)
-  subprocess.run(command, check=True, **kwargs)
+  subprocess.run(command, check=True, env=_env(), **kwargs)
 
 
 def _idx(array, path: str) -> None:
@@ -117,7 +129,7 @@ def make_venv(venv: str, pins: list[str]) -> str:
 
 def installed_versions(python: str) -> dict[str, str]:
   out = subprocess.run([python, '-m', 'pip', 'list', '--format=freeze',
-                        '--disable-pip-version-check'],
+                        '--disable-pip-version-check'], env=_env(),
                        check=True, capture_output=True, text=True).stdout
   return {_normalise(line.split('==')[0]): line.split('==')[1]
           for line in out.splitlines() if '==' in line}
@@ -151,10 +163,9 @@ def smoke_training(python: str, workdir: str, data_dir: str) -> None:
           '--config.batch_size=32', '--config.eval_batch_size=128',
           '--config.checkpoint_every_steps=2', '--config.eval_every_steps=2',
           '--config.log_every_steps=2', '--config.max_train_seconds=0']
-  env = dict(os.environ, CAPSJAX_NO_PROGRESS='1')
-  _run(base + ['--config.num_train_steps=4'], cwd=REPO, env=env)
+  _run(base + ['--config.num_train_steps=4'], cwd=REPO)
   out = subprocess.run(base + ['--config.num_train_steps=6'], cwd=REPO,
-                       env=env, capture_output=True, text=True)
+                       env=_env(), capture_output=True, text=True)
   sys.stdout.write(out.stdout + out.stderr)
   if out.returncode or 'Resuming from the checkpoint of step 4' not in (
       out.stdout + out.stderr):
@@ -199,10 +210,9 @@ def main() -> int:
           ', '.join(f'{k}=={v}' for k, v in floors.items()), flush=True)
     if args.no_tests:
       return 0
-    env = dict(os.environ, CAPSJAX_NO_PROGRESS='1')
     _run([python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
           *([] if args.keep_going else ['-x']), '-m', 'not slow',
-          *UNIT_TESTS], cwd=REPO, env=env)
+          *UNIT_TESTS], cwd=REPO)
     data_dir = synthetic_mnist(os.path.join(scratch, 'mnist'))
     smoke_training(python, os.path.join(scratch, 'workdir'), data_dir)
     if not args.no_newest:
