@@ -248,8 +248,8 @@ def load_context(name: str, data_dir: str | None = None):
   use. Nothing is written (``write_files`` False).
 
   Raises:
-    KeyError: no such model. DigestMismatch: its ``.npz`` is not the
-    registry's.
+    KeyError: no such model.
+    DigestMismatch: its ``.npz`` is not the registry's.
   """
   npz_path, _ = paths(name)
   data = _verified_bytes(npz_path, _entry(name).sha256)
@@ -274,8 +274,8 @@ def load(name: str) -> tuple[Any, dict[str, Any]]:
   'sha256', 'file'.
 
   Raises:
-    KeyError: no such model. DigestMismatch: its ``.npz`` is not the
-    registry's.
+    KeyError: no such model.
+    DigestMismatch: its ``.npz`` is not the registry's.
   """
   context, info = load_context(name)
   return context.model, info
@@ -436,12 +436,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   model, info = load(args.name)
   scores = predict_scores(model, info, digits)
+  lines = []
   for path, row in zip(kept, scores, strict=True):
     k = int(np.argmax(row))
     # A tab or newline in a file name would break the three columns.
     shown = os.fspath(path).replace('\t', '\\t').replace('\n', '\\n')
-    print(f'{shown}\t{info["classes"][k]}\t{row[k]:.4f}')
-  return 0
+    lines.append(f'{shown}\t{info["classes"][k]}\t{row[k]:.4f}')
+  return 0 if print_until_closed(lines) else CLOSED_PIPE_STATUS
+
+
+# The exit status when the reader of stdout closed it (``| head -1``): that
+# of a command ended by SIGPIPE, as a shell reports it.
+CLOSED_PIPE_STATUS = 128 + 13
+
+
+def print_until_closed(lines) -> bool:
+  """Prints ``lines`` to stdout; False, quietly, if its reader closed it
+  (``python -m capsjax.pretrained NAME DIR | head -1``).
+
+  Stdout is then pointed at ``/dev/null``, so that Python's flush of it at
+  exit does not fail again.
+  """
+  try:
+    for line in lines:
+      print(line)
+    sys.stdout.flush()
+  except BrokenPipeError:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return False
+  return True
 
 
 if __name__ == '__main__':

@@ -65,9 +65,13 @@ def _predict(workdir: str, paths: list[str]) -> None:
   say = lambda line: print(line, file=sys.stderr)  # noqa: E731
   predictions = training.predict(context, paths, say=say)
   score = own_images.score_name(context.config)
-  print(f'# file\tclass\t{score}')
-  for p in predictions:
-    print(f'{p.path}\t{p.class_name}\t{p.score:.4f}')
+  lines = [f'# file\tclass\t{score}'] + [
+      f'{p.path}\t{p.class_name}\t{p.score:.4f}' for p in predictions]
+  # Its reader may stop early (| head -1): then quietly, with the status
+  # of a command ended by SIGPIPE.
+  from capsjax import pretrained
+  if not pretrained.print_until_closed(lines):
+    sys.exit(pretrained.CLOSED_PIPE_STATUS)
 
 
 def main(config, workdir: str) -> None:

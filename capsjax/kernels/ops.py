@@ -46,9 +46,9 @@ def dynamic_routing(
 ) -> tuple[jax.Array, jax.Array]:
   """``capsjax.routing.dynamic_routing`` by the chosen implementation.
 
+  Every argument but ``implementation`` is that function's.
+
   Args:
-    votes, num_iterations, accumulate, leaky, squash_constant, bias,
-      normalize_agreement: as ``capsjax.routing.dynamic_routing``.
     implementation: None or 'xla' (XLA, the default), or 'pallas' (fused
       Pallas kernels, ``pallas_dynamic``: Triton on GPUs, interpreted
       elsewhere; first-order gradients only).
@@ -75,10 +75,9 @@ def conv_capsule_routing(
   """``capsjax.routing.matrix_capsules.conv_capsule_routing`` by the chosen
   implementation.
 
+  Every argument but ``implementation`` is that function's.
+
   Args:
-    poses, activations, weights, beta_u, beta_a, stride, em_routing,
-      votes_dtype, remat_iterations, window_chunk, fields: as
-      ``matrix_capsules.conv_capsule_routing``.
     implementation: 'native' routes the windows with the fused CPU kernel
       (``em_cpu.route_windows``: votes and routing window by window in the
       core's cache, forward and backward), 'pallas' with the Pallas kernel
