@@ -42,15 +42,18 @@ def test_the_documentation_builds_with_warnings_as_errors(tmp_path):
   assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
   assert (out / 'index.html').is_file()
   # The chapters, the API pages and the notebook with its stored plots.
-  for page in ('library', 'own_images', 'routings', 'reproducing',
+  for page in ('library', 'own_images', 'routings', 'experiments',
                'authors_code', 'speed', 'multi_host', 'api/routing',
                'api/layers', 'api/models', 'api/losses', 'api/data',
                'api/training', 'api/pretrained', 'api/evaluators',
-               'api/flops'):
+               'api/flops', 'api/kernels', 'own_model',
+               'paper_suite_results'):
     assert (out / f'{page}.html').is_file(), page
   routing = (out / 'api' / 'routing.html').read_text()
-  assert 'id="capsjax.routing.dynamic_routing"' in routing
-  assert 'id="capsjax.routing.em_routing"' in routing
+  assert 'id="capsjax.routing.dynamic.dynamic_routing"' in routing
+  assert 'id="capsjax.routing.em.em_routing"' in routing
+  kernels = (out / 'api' / 'kernels.html').read_text()
+  assert 'id="capsjax.kernels.ops.dynamic_routing"' in kernels
   notebook = (out / 'notebooks' / 'routing_as_clustering.html').read_text()
   assert notebook.count('<img') >= 3
 

@@ -329,8 +329,8 @@ def test_section_7_rows_need_their_directories():
   for suite, variant in (('paper', ''), ('smoke', ':smoke')):
     by_name = {e.name: e for e in reproduce.suite_experiments(suite)}
     for name, module, directory, flag in (
-        ('capsnet_smallnorb', 'capsnet_mnist', '/norb', 'smallnorb_dir'),
-        ('capsnet_svhn', 'capsnet_mnist', '/svhn', 'svhn_dir'),
+        ('capsnet_smallnorb', 'train', '/norb', 'smallnorb_dir'),
+        ('capsnet_svhn', 'train', '/svhn', 'svhn_dir'),
         ('capsnet_cifar10', 'capsnet_ensemble', '/cifar', 'cifar10_dir')):
       experiment = by_name[name]
       assert experiment.module == f'experiments.{module}'

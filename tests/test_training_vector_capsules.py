@@ -82,7 +82,7 @@ _COMMANDS = sorted(
 
 def test_the_commands_below_are_found():
   # An empty list would leave the test below with nothing to run.
-  assert {'capsnet_mnist', 'matrix_capsnet', 'reproduce'} <= set(_COMMANDS)
+  assert {'train', 'own_images', 'reproduce'} <= set(_COMMANDS)
 
 
 @pytest.mark.parametrize('module', _COMMANDS)

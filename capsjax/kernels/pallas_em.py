@@ -588,8 +588,8 @@ def _backward_xla(static: _Static, residuals, cotangents):
   def route(pose_chunk, act_chunk, weights, beta_u, beta_a, lambdas):
     return routing.em_routing(
         votes_lib.matrix_votes(pose_chunk, weights), act_chunk, beta_u,
-        beta_a, options=dataclasses.replace(static.em_routing,
-                                            inverse_temperature=lambdas))
+        beta_a, em_routing=dataclasses.replace(static.em_routing,
+                                               inverse_temperature=lambdas))
 
   def body(shared_grads, chunk):
     pose_chunk, act_chunk, chunk_cotangents = chunk

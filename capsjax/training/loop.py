@@ -432,11 +432,15 @@ class _Run:
     an evaluation step, which the train step's forward pass shares."""
     if self._implementations is not None:
       return self._implementations
-    images = self.dataset.train.images
+    # A split the evaluation step reads (training may pad its images).
+    split = self.dataset.validation
+    if not len(split.labels):
+      split = self.dataset.test
     batch = self.config.batch_size
-    shapes = (jax.ShapeDtypeStruct((batch,) + images.shape[1:], images.dtype),
-              jax.ShapeDtypeStruct((batch,) + self.dataset.train.labels.shape[1:],
-                                   self.dataset.train.labels.dtype),
+    shapes = (jax.ShapeDtypeStruct((batch,) + split.images.shape[1:],
+                                   split.images.dtype),
+              jax.ShapeDtypeStruct((batch,) + split.labels.shape[1:],
+                                   split.labels.dtype),
               jax.ShapeDtypeStruct((batch,), jnp.bool_))
     with implementations.recording() as choices:
       jax.eval_shape(self._eval_step, self.state.params,
