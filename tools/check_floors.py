@@ -157,7 +157,7 @@ def _release(version: str) -> tuple[int, ...]:
 def smoke_training(python: str, workdir: str, data_dir: str) -> None:
   """4 steps with a checkpoint at step 2 and 4, then a rerun to step 6 that
   resumes from step 4's checkpoint (orbax's save and restore)."""
-  base = [python, '-m', 'experiments.capsnet_mnist', f'--workdir={workdir}',
+  base = [python, '-m', 'experiments.train', f'--workdir={workdir}',
           '--config=experiments/configs/capsnet_mnist.py:smoke',
           f'--config.data_dir={data_dir}', '--config.validation_size=128',
           '--config.batch_size=32', '--config.eval_batch_size=128',
