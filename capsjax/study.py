@@ -151,10 +151,45 @@ def per_position(params: jax.Array, num_positions: int) -> jax.Array:
   return jnp.tile(params, (num_positions,) + (1,) * (params.ndim - 1))
 
 
+def _grid(side: int) -> tuple[int, int, int, int]:
+  """The four convolutions' output sides of an input side."""
+  first = side - 2
+  second = first - 2
+  third = second // 2 - 2
+  return first, second, third, third - 2
+
+
+def forward_flops(head: str, height: int = 28, width: int = 28, *,
+                  stem_widths: Sequence[int] = (32, 32, 64, 64),
+                  input_channels: int = 1, primary_types: int = 8,
+                  num_classes: int = 10, capsule_dim: int = 16) -> int:
+  """One H x W image's forward FLOPs (2 a multiply-add): the stem's four
+  3x3 convolutions, the primary capsules' 1x1 convolution(s), the votes
+  (the EM head's 4x4 matrix products; the self-routing head has none) and
+  ``routing_cost``'s routing. Biases, ReLUs, the pooling and the squash of
+  the primary capsules are left out (under 1% here)."""
+  check_head(head)
+  sizes = (input_channels,) + tuple(stem_widths)
+  flops_count = 0
+  for (rows, cols), c_in, c_out in zip(
+      zip(_grid(height), _grid(width), strict=True), sizes[:-1], sizes[1:],
+      strict=True):
+    flops_count += 2 * 9 * c_in * c_out * rows * cols
+  positions = _grid(height)[-1] * _grid(width)[-1]
+  per_type = PRIMARY_DIM + (1 if head in POSE_HEADS else 0)
+  flops_count += 2 * sizes[-1] * primary_types * per_type * positions
+  children = positions * primary_types
+  if head == 'em':
+    flops_count += 2 * children * num_classes * POSE_SIZE ** 3
+  elif head != 'self_routing':
+    flops_count += 2 * children * num_classes * PRIMARY_DIM * capsule_dim
+  return flops_count + int(routing_cost(head, children, num_classes,
+                                        capsule_dim).flops)
+
+
 def num_children(height: int, width: int, primary_types: int = 8) -> int:
   """N, the primary capsules of an H x W image: the stem's grid x T."""
-  rows, cols = ((side - 4) // 2 - 4 for side in (height, width))
-  return rows * cols * primary_types
+  return _grid(height)[-1] * _grid(width)[-1] * primary_types
 
 
 def _lengths(capsules: jax.Array) -> jax.Array:
@@ -496,6 +531,7 @@ __all__ = (
     'SCORES',
     'RoutingStudyNet',
     'check_head',
+    'forward_flops',
     'num_children',
     'routing_cost',
 )

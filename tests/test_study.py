@@ -127,3 +127,16 @@ def test_routing_cost_counts_each_head():
   # Three iterations cost more than one; the control least of all.
   assert costs['dynamic_3'] > costs['dynamic_1']
   assert costs['uniform'] == min(costs.values())
+
+
+@pytest.mark.parametrize('head', ('dynamic_3', 'em', 'self_routing'))
+def test_forward_flops_agree_with_xla_on_its_own_convolutions(head):
+  model = _model(head, implementation='xla', **SMALL)
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+  cost = forward.lower(state, jnp.zeros((1, 40, 40, 1))).compile(
+      ).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  ours = study.forward_flops(head, 40, 40, **SMALL)
+  # (1% at the default widths; the small model routes a larger share.)
+  assert ours == pytest.approx(cost['flops'], rel=0.1)
