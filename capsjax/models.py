@@ -52,6 +52,7 @@ from capsjax.kernels import conv as conv_lib
 from capsjax.kernels import implementations
 from capsjax.layers import check_positive_int as _check_positive_int
 from capsjax.routing import votes as votes_lib
+from capsjax.study import RoutingStudyNet
 
 
 def _check_widths(name: str, widths) -> tuple[int, ...]:
@@ -1073,6 +1074,7 @@ def create_model(name: str, *, rngs: nnx.Rngs, **options) -> nnx.Module:
 _BUILT_IN = {'capsnet': CapsNet, 'baseline_cnn': BaselineCNN,
              'efficient_capsnet': EfficientCapsNet,
              'matrix_capsnet': MatrixCapsNet,
+             'routing_study_net': RoutingStudyNet,
              'two_digit_baseline': TwoDigitBaseline,
              'two_digit_capsnet': TwoDigitCapsNet}
 BUILT_IN_MODELS = tuple(sorted(_BUILT_IN))

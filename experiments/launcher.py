@@ -338,6 +338,34 @@ def train(config, workdir: str) -> dict:
   return training.train(config, workdir)
 
 
+def define_config(default_config: str) -> flags.FlagHolder:
+  """--config (default ``configs/<default_config>``) with its
+  --config.KEY=VALUE overrides: a missing file, a bad override or a config
+  that fails to build is one error line and exit status 2."""
+  global _default_config
+  _default_config = os.path.join(CONFIG_DIR, default_config)
+  spec = _config_arg(sys.argv, _default_config)
+  _check_config_file(spec)
+  try:
+    # ml_collections reads --config.KEY=VALUE overrides here already: an
+    # unknown KEY raises now, before app.run parses the flags.
+    config = config_flags.DEFINE_config_file(
+        'config', _default_config,
+        'Experiment config file, optionally with :variant (e.g. :smoke); '
+        'override single keys with --config.KEY=VALUE.', lock_config=True)
+  except (AttributeError, KeyError) as e:
+    _override_error(e, spec)
+  except (TypeError, ValueError) as e:
+    usage_error(e)
+  flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
+  return config
+
+
+def config_arg() -> str:
+  """The command line's --config, FILE[:VARIANTS] (the default if none)."""
+  return _config_arg(sys.argv, _default_config)
+
+
 def run(train_and_evaluate: Callable, default_config: str, *,
         workdir_help: str = 'Directory for checkpoints, TensorBoard metrics '
         'and summary.json; rerun with the same one to resume.',
@@ -355,22 +383,7 @@ def run(train_and_evaluate: Callable, default_config: str, *,
       'config_help', False, "Print the config's keys with their values and "
       'meanings (after any --config.KEY=VALUE overrides) and exit.',
       module_name=sys.argv[0])
-  global _default_config
-  _default_config = os.path.join(CONFIG_DIR, default_config)
-  spec = _config_arg(sys.argv, _default_config)
-  _check_config_file(spec)
-  try:
-    # ml_collections reads --config.KEY=VALUE overrides here already: an
-    # unknown KEY raises now, before app.run parses the flags.
-    config = config_flags.DEFINE_config_file(
-        'config', os.path.join(CONFIG_DIR, default_config),
-        'Experiment config file, optionally with :variant (e.g. :smoke); '
-        'override single keys with --config.KEY=VALUE.', lock_config=True)
-  except (AttributeError, KeyError) as e:
-    _override_error(e, spec)
-  except (TypeError, ValueError) as e:
-    usage_error(e)
-  flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS['config'])
+  config = define_config(default_config)
   distributed = _define_distributed_flags()
 
   def main(argv):

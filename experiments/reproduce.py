@@ -72,48 +72,57 @@ from absl import flags
 
 from experiments import launcher
 
-_WORKDIR = flags.DEFINE_string(
-    'workdir', None, 'Required. Directory of the suite: one subdirectory per '
-    'experiment, reproduction.json and REPRODUCTION.md; rerun with the same '
-    'one to continue.')
-_SUITE = flags.DEFINE_enum('suite', 'paper', ['paper', 'smoke', 'bench'],
-                           'Which suite: paper (full protocols), smoke (the '
-                           ':smoke sizes) or bench (speed and memory).')
-_ONLY = flags.DEFINE_list('only', [], 'Run only these experiments of the '
-                          'suite (comma-separated names; see --list).')
-_MAX_SECONDS = flags.DEFINE_float(
-    'max_seconds', 0.0, 'Stop this call after this many seconds (0: no '
-    'limit): the running experiment saves its checkpoint and the next call '
-    'continues.', lower_bound=0.0)
-_DATA_DIR = flags.DEFINE_string(
-    'data_dir', '', 'Directory with mnist/ and fashion-mnist/ (the IDX files); '
-    "'': each experiment's own search ($CAPSJAX_DATA_DIR, ../shared/data, "
-    'TFDS).')
-_AFFNIST_DIR = flags.DEFINE_string(
-    'affnist_dir', '', 'Directory of the affNIST test release; without it the '
-    'affNIST experiment tests on affine-transformed MNIST.')
-_SMALLNORB_DIR = flags.DEFINE_string(
-    'smallnorb_dir', '', 'Directory of the six smallNORB files; without it '
-    'the smallNORB experiments (matrix capsules, CapsNet) are skipped.')
-_CIFAR10_DIR = flags.DEFINE_string(
-    'cifar10_dir', '', "Directory of CIFAR-10's binary (or python) release; "
-    'without it the CIFAR-10 ensemble is skipped.')
-_SVHN_DIR = flags.DEFINE_string(
-    'svhn_dir', '', "Directory of SVHN's train_32x32.mat and test_32x32.mat; "
-    'without it the SVHN experiment is skipped.')
-_BENCH_STEPS = flags.DEFINE_integer(
-    'bench_steps', 20, 'Timed steps per benchmark row (--suite=bench).',
-    lower_bound=1)
-_README = flags.DEFINE_string(
-    'readme', '', "Also write the finished rows into this markdown file's "
-    '<!-- reproduction:begin --> ... <!-- reproduction:end --> block (this '
-    'project keeps them in docs/paper_suite_results.md).')
-_BENCHMARKS = flags.DEFINE_string(
-    'benchmarks', '', 'With --suite=bench: also write the table into this '
-    "file (BENCHMARKS.md) under the device's name, replacing that device's "
-    'earlier table.')
-_LIST = flags.DEFINE_bool('list', False, "Print the suite's experiments, "
-                          'their commands and their status, and exit.')
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs as the command: another
+  command (experiments.routing_study) imports the suite runner with
+  flags of its own."""
+  global _WORKDIR, _SUITE, _ONLY, _MAX_SECONDS, _LIST, _BENCH_STEPS
+  global _DATA_DIR, _AFFNIST_DIR, _SMALLNORB_DIR, _CIFAR10_DIR, _SVHN_DIR
+  global _README, _BENCHMARKS
+  _WORKDIR = flags.DEFINE_string(
+      'workdir', None, 'Required. Directory of the suite: one subdirectory per '
+      'experiment, reproduction.json and REPRODUCTION.md; rerun with the same '
+      'one to continue.')
+  _SUITE = flags.DEFINE_enum('suite', 'paper', ['paper', 'smoke', 'bench'],
+                             'Which suite: paper (full protocols), smoke (the '
+                             ':smoke sizes) or bench (speed and memory).')
+  _ONLY = flags.DEFINE_list('only', [], 'Run only these experiments of the '
+                            'suite (comma-separated names; see --list).')
+  _MAX_SECONDS = flags.DEFINE_float(
+      'max_seconds', 0.0, 'Stop this call after this many seconds (0: no '
+      'limit): the running experiment saves its checkpoint and the next call '
+      'continues.', lower_bound=0.0)
+  _DATA_DIR = flags.DEFINE_string(
+      'data_dir', '', 'Directory with mnist/ and fashion-mnist/ (the IDX files); '
+      "'': each experiment's own search ($CAPSJAX_DATA_DIR, ../shared/data, "
+      'TFDS).')
+  _AFFNIST_DIR = flags.DEFINE_string(
+      'affnist_dir', '', 'Directory of the affNIST test release; without it the '
+      'affNIST experiment tests on affine-transformed MNIST.')
+  _SMALLNORB_DIR = flags.DEFINE_string(
+      'smallnorb_dir', '', 'Directory of the six smallNORB files; without it '
+      'the smallNORB experiments (matrix capsules, CapsNet) are skipped.')
+  _CIFAR10_DIR = flags.DEFINE_string(
+      'cifar10_dir', '', "Directory of CIFAR-10's binary (or python) release; "
+      'without it the CIFAR-10 ensemble is skipped.')
+  _SVHN_DIR = flags.DEFINE_string(
+      'svhn_dir', '', "Directory of SVHN's train_32x32.mat and test_32x32.mat; "
+      'without it the SVHN experiment is skipped.')
+  _BENCH_STEPS = flags.DEFINE_integer(
+      'bench_steps', 20, 'Timed steps per benchmark row (--suite=bench).',
+      lower_bound=1)
+  _README = flags.DEFINE_string(
+      'readme', '', "Also write the finished rows into this markdown file's "
+      '<!-- reproduction:begin --> ... <!-- reproduction:end --> block (this '
+      'project keeps them in docs/paper_suite_results.md).')
+  _BENCHMARKS = flags.DEFINE_string(
+      'benchmarks', '', 'With --suite=bench: also write the table into this '
+      "file (BENCHMARKS.md) under the device's name, replacing that device's "
+      'earlier table.')
+  _LIST = flags.DEFINE_bool('list', False, "Print the suite's experiments, "
+                            'their commands and their status, and exit.')
+
 
 EXIT_TIME_LIMIT = 3
 README_BEGIN, README_END = '<!-- reproduction:begin -->', '<!-- reproduction:end -->'
@@ -702,16 +711,20 @@ def _say(line: str) -> None:
 def run_suite(workdir: str, suite: str, *, only: list[str] = (),
               max_seconds: float = 0.0, options: Options | None = None,
               readme: str = '', benchmarks: str = '',
-              log: Callable[[str], None] = _say) -> int:
+              log: Callable[[str], None] = _say,
+              experiments: list[Experiment] | None = None) -> int:
   """Run (or continue) the suite in ``workdir``; the exit status.
 
   The suite holds ``workdir`` (``checkpoints.hold_workdir``; no JAX backend
   is started for it): a second suite on it stops at once, naming this one.
-  Each experiment holds its own WORKDIR/<name>.
+  Each experiment holds its own WORKDIR/<name>. ``experiments``: another
+  command's own suite (``experiments.routing_study``'s), run under the name
+  ``suite`` in place of ``suite_experiments(suite)``.
   """
   from capsjax.training import checkpoints
   options = options or Options()
-  by_name = {e.name: e for e in suite_experiments(suite)}
+  by_name = {e.name: e for e in (suite_experiments(suite) if experiments is None
+                                 else experiments)}
   experiments = select(list(by_name.values()), list(only))
   workdir = os.path.abspath(workdir)
   with checkpoints.hold_workdir(workdir, 'experiments.reproduce'):
@@ -1024,13 +1037,16 @@ def update_benchmarks(path: str, state: dict[str, Any], table: str) -> None:
                       f', {state.get("updated")})')
 
 
-def list_suite(workdir: str, suite: str, only: list[str], options: Options
-               ) -> str:
-  """Each selected experiment's status and command, two lines each."""
+def list_suite(workdir: str, suite: str, only: list[str], options: Options,
+               experiments: list[Experiment] | None = None) -> str:
+  """Each selected experiment's status and command, two lines each
+  (``experiments``: as ``run_suite``'s)."""
   workdir = os.path.abspath(workdir)
   state = _load_state(os.path.join(workdir, 'reproduction.json'), suite)
   lines = []
-  for experiment in select(suite_experiments(suite), only):
+  if experiments is None:
+    experiments = suite_experiments(suite)
+  for experiment in select(experiments, only):
     status = ('finished' if finished(experiment, workdir) else
               experiment.needs(options) or state['experiments'].get(
                   experiment.name, {}).get('status', 'not started'))
@@ -1090,4 +1106,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main, flags_parser=launcher.parse_flags)

@@ -167,6 +167,24 @@ def test_affine_evaluator_reads_the_affnist_test_files(tmp_path):
   np.testing.assert_array_equal(seen[0].labels, labels)
 
 
+def test_translated_mnist_places_the_test_digits_untransformed(tmp_path):
+  data_dir = write_tiny_mnist(tmp_path / 'mnist', num_test=12)
+  config = ml_collections.ConfigDict({'data_dir': data_dir})
+  test = data_lib.load_dataset('mnist', data_dir=data_dir,
+                               validation_size=0).test
+  split = affine.test_split(config, source='translated_mnist', size=10)
+  assert split.images.shape == (10, 40, 40, 1)
+  np.testing.assert_array_equal(split.labels, test.labels[:10])
+  for placed, digit in zip(split.images, test.images[:10], strict=True):
+    rows, cols = np.nonzero(placed[..., 0] == digit[0, 0, 0])
+    found = [(r, c) for r, c in zip(rows, cols, strict=True)
+             if r <= 12 and c <= 12 and np.array_equal(
+                 placed[r:r + 28, c:c + 28], digit)]
+    assert found, 'each digit is a 28x28 window of its canvas, unchanged'
+  again = affine.test_split(config, source='translated_mnist', size=10)
+  np.testing.assert_array_equal(again.images, split.images)  # seeded
+
+
 def test_bad_evals_fail_before_any_training(tmp_path):
   data_dir = write_tiny_mnist(tmp_path / 'mnist')
   cases = (

@@ -50,11 +50,13 @@ def _loss_and_grads(model, images, labels, loss_key, train=True):
 def test_registry_lists_every_model_with_a_family():
   names = models.list_models()
   assert names == ('baseline_cnn', 'capsnet', 'efficient_capsnet',
-                   'matrix_capsnet', 'two_digit_baseline', 'two_digit_capsnet')
+                   'matrix_capsnet', 'routing_study_net', 'two_digit_baseline',
+                   'two_digit_capsnet')
   assert {name: families.of(name).name for name in names} == {
       'baseline_cnn': 'cnn', 'capsnet': 'capsnet',
       'efficient_capsnet': 'capsnet', 'matrix_capsnet': 'em',
-      'two_digit_baseline': 'two_digit', 'two_digit_capsnet': 'two_digit'}
+      'routing_study_net': 'capsnet', 'two_digit_baseline': 'two_digit',
+      'two_digit_capsnet': 'two_digit'}
   assert {training.runs.trainer_of(families.of(name)).__name__
           for name in names} == {'capsjax.training.vector_capsules',
                                  'capsjax.training.matrix_capsules'}
@@ -116,6 +118,8 @@ REGISTRY_INPUTS = {
     'matrix_capsnet': (SMALL_MATRIX, (32, 32), 1),
     'two_digit_baseline': (SMALL_TRUNK, None, 1),
     'two_digit_capsnet': (SMALL_TRUNK, None, 1),
+    'routing_study_net': ({'stem_widths': (4, 4, 8, 8), 'primary_types': 2,
+                           'capsule_dim': 16}, None, 1),
 }
 
 
