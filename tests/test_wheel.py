@@ -117,7 +117,7 @@ import jax, jax.numpy as jnp, optax
 from flax import nnx
 import capsjax
 from capsjax import layers, pretrained
-from capsjax.conv import dispatch
+from capsjax.kernels.conv import dispatch
 from capsjax.training import state as state_lib
 
 # The installed package, not a clone.
@@ -167,7 +167,7 @@ for _ in range(3):
   state, metrics = step(state)
   losses.append(float(metrics['loss']))
 assert all(map(jnp.isfinite, losses)) and losses[-1] < losses[0], losses
-from capsjax import conv
+from capsjax.kernels import conv
 print('trained 3 steps; convolutions:', conv.backend())
 '''
 
@@ -207,7 +207,7 @@ import os, struct
 import numpy as np
 import ml_collections
 from capsjax import pretrained, training
-from capsjax.conv import dispatch
+from capsjax.kernels.conv import dispatch
 
 dispatch.prefer_eigen_convolutions()
 mnist = 'mnist'

@@ -422,8 +422,8 @@ class _Run:
             f'{len(d.train.labels)} train / {len(d.validation.labels)} '
             f'validation / {len(d.test.labels)} test; {c.num_train_steps} '
             f'steps of batch {c.batch_size} on {self.mesh.size} '
-            f'{jax.devices()[0].platform} device(s); convolutions: '
-            f'{conv.backend()}; implementations: '
+            f'{jax.devices()[0].platform} device(s); '
+            f'{_convolution_words()}implementations: '
             f'{_implementation_words(self.implementations())}.')
 
   def implementations(self) -> dict[str, str]:
@@ -755,6 +755,14 @@ def _final_line(summary: dict[str, Any], workdir: str) -> str:
              f'{summary["max_train_seconds"]:g} before num_train_steps; '
              f'raise it (0: no limit) and rerun to train on.')
   return line + f' Summary: {os.path.join(workdir, "summary.json")}'
+
+
+def _convolution_words() -> str:
+  """'convolutions: oneDNN (... kernels); ' where oneDNN computes them (its
+  instruction set), else '': the implementations then say why not."""
+  if not conv.onednn.available():
+    return ''
+  return f'convolutions: {conv.backend()}; '
 
 
 def _implementation_words(choices: dict[str, str]) -> str:
