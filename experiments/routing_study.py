@@ -42,7 +42,6 @@ from absl import flags
 
 from experiments import launcher
 from experiments import reproduce
-from experiments import routing_study_lib as study_lib
 
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Required. Directory of the study: one subdirectory '
@@ -68,8 +67,16 @@ _LIST = flags.DEFINE_bool(
 _CONFIG = launcher.define_config('routing_study.py')
 
 
+def _study_lib():
+  """``routing_study_lib``, imported after the flags are read: it imports
+  JAX, which --help and a bad flag must not wait for."""
+  from experiments import routing_study_lib
+  return routing_study_lib
+
+
 def run_study(workdir: str) -> int:
   """The study in ``workdir`` as the flags ask; the exit status."""
+  study_lib = _study_lib()
   config_file = launcher.config_arg()
   config = _CONFIG.value
   experiments = study_lib.study_experiments(
@@ -104,7 +111,7 @@ def main(argv):
                                     'to continue).'))
   if _DOC.value:
     try:
-      study_lib.check_doc(_DOC.value)  # now, not after hours of training
+      _study_lib().check_doc(_DOC.value)  # now, not after hours of training
     except ValueError as e:
       launcher.usage_error(e)
   workdir = os.path.abspath(_WORKDIR.value)
