@@ -23,8 +23,8 @@ the convolutions to their default). The one environment switch,
 ``CAPSJAX_IMPLEMENTATION=xla``, makes every ``None`` choose XLA (for
 debugging: the portable path everywhere); named implementations are kept.
 
-Each choice made for ``None``, and why a faster implementation could not
-take the case, is recorded inside ``recording()``; the training loop
+Each choice, and for ``None`` why a faster implementation could not take
+the case, is recorded inside ``recording()``; the training loop
 records its model's choices once per run (its header and summary.json).
 """
 
@@ -109,6 +109,7 @@ def choose(op: str, implementation, why_not: Mapping[str, WhyNot]) -> str:
       raise ValueError(f"{op}: implementation={implementation!r} cannot take "
                        f'this case: {reason}. Use implementation=None or '
                        f"'xla'.")
+    _record(op, implementation, 'named')
     return implementation
   passed = []
   if forced_xla():
@@ -135,8 +136,9 @@ def _record(op: str, chosen: str, reason: str) -> None:
 
 @contextlib.contextmanager
 def recording() -> Iterator[collections.Counter]:
-  """Inside: every default choice (``choose`` with None) counted as
-  (op, chosen, why not the faster ones) -> how many traced calls."""
+  """Inside: every choice counted as (op, chosen, why) -> how many traced
+  calls; why is 'named' for a named implementation, else why not the
+  faster ones ('' when the first could)."""
   counter = collections.Counter()
   _recordings.append(counter)
   try:
