@@ -72,3 +72,24 @@ def test_the_environment_forces_xla_for_defaults_only(monkeypatch):
   monkeypatch.setenv(implementations.ENVIRONMENT_VARIABLE, 'native')
   with pytest.raises(ValueError, match='must be unset or "xla"'):
     implementations.choose('conv2d', None, _why_not())
+
+
+@pytest.mark.parametrize('stored,implementation', [
+    ({'routing_impl': None, 'conv_impl': None}, None),
+    ({'routing_impl': 'kernel'}, 'native'),
+    ({'routing_impl': 'pallas', 'conv_impl': None}, 'pallas'),
+    ({'conv_impl': 'onednn_input_grad'}, 'native'),
+])
+def test_workdirs_of_earlier_capsjax_read_as_implementation(stored,
+                                                            implementation):
+  """Their configs name the implementation routing_impl / conv_impl (and
+  the fused kernel 'kernel'): the model gets ``implementation``."""
+  import ml_collections
+
+  from capsjax.training import state
+  config = ml_collections.ConfigDict(
+      {'model_options': {'num_iterations': 3, **stored}})
+  options = state.model_options(config)
+  assert 'routing_impl' not in options and 'conv_impl' not in options
+  assert options.get('implementation') == implementation
+  assert options['num_iterations'] == 3
