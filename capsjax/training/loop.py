@@ -43,6 +43,7 @@ from capsjax.training.sharding import on_mesh
 from capsjax.training.sharding import replicated
 from capsjax.training.sharding import take_batch
 from capsjax.training.state import ADAM_FORMS
+from capsjax.training.state import EARLIER_IMPLEMENTATION_KEYS
 from capsjax.training.state import FamilySteps
 from capsjax.training.state import check_model
 from capsjax.training.state import count_params
@@ -226,8 +227,7 @@ _UNUSABLE_CHANGES = ('model', 'model_options', 'dataset')
 # kernels on a GPU after a CPU start).
 _IMPLEMENTATION_OPTIONS = tuple(f'model_options.{name}' for name in (
     'implementation', 'remat', 'remat_iterations', 'window_chunk',
-    # the same in workdirs of earlier capsjax:
-    'conv_impl', 'routing_impl'))
+    *EARLIER_IMPLEMENTATION_KEYS))
 
 
 def config_changes(config: ml_collections.ConfigDict, workdir: str

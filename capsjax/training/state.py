@@ -113,14 +113,14 @@ def make_optimizer(config: ml_collections.ConfigDict
 
 # Workdirs of earlier capsjax name the implementation by these keys and
 # values; they read as ``implementation``.
-_EARLIER_IMPLEMENTATION_KEYS = ('routing_impl', 'conv_impl')
+EARLIER_IMPLEMENTATION_KEYS = ('routing_impl', 'conv_impl')
 _EARLIER_IMPLEMENTATIONS = {'kernel': 'native', 'onednn': 'native',
                             'onednn_input_grad': 'native'}
 
 
 def model_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   options = config.model_options.to_dict()
-  earlier = {options.pop(key) for key in _EARLIER_IMPLEMENTATION_KEYS
+  earlier = {options.pop(key) for key in EARLIER_IMPLEMENTATION_KEYS
              if key in options} - {None}
   if earlier and options.get('implementation') is None:
     names = {_EARLIER_IMPLEMENTATIONS.get(name, name) for name in earlier}
