@@ -5,6 +5,7 @@ failure reported."""
 
 import importlib.util
 import os
+import sys
 import time
 
 import pytest
@@ -16,39 +17,45 @@ spec = importlib.util.spec_from_file_location(
 run_tests = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_tests)
 
-# A test file that records where it ran: its nice, its session and its
-# session's autogroup nice (where the kernel has autogroups).
+# A stand-in for pytest (a part's process: a few milliseconds where a real
+# pytest takes a second to start) that records where it ran: its nice, its
+# session and its session's autogroup nice (where the kernel has
+# autogroups), and prints a pytest-like summary.
 _RECORDER = '''
-import os, time
-def test_records(tmp_path):
-  name = os.environ['PART']
-  out = os.environ['OUT']
-  # '/autogroup-N nice K' where the kernel has autogroups; some kernels
-  # (sandboxes among them) have no file, or an empty one.
-  try:
-    fields = open('/proc/self/autogroup').read().split()
-  except OSError:
-    fields = []
-  autogroup = fields[-1] if len(fields) == 3 and fields[1] == 'nice' else 'none'
-  with open(os.path.join(out, name + '.started'), 'w') as f:
-    f.write(f'{os.nice(0)} {os.getsid(0)} {autogroup}')
-  if name == 'timed':  # still running when the unit part starts
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(out, 'unit.started')):
-      assert time.monotonic() < deadline, 'the parts ran one after the other'
-      time.sleep(0.05)
-  assert name != os.environ.get('FAIL')
+import os, sys, time
+name = os.environ['PART']
+out = os.environ['OUT']
+# '/autogroup-N nice K' where the kernel has autogroups; some kernels
+# (sandboxes among them) have no file, or an empty one.
+try:
+  fields = open('/proc/self/autogroup').read().split()
+except OSError:
+  fields = []
+autogroup = fields[-1] if len(fields) == 3 and fields[1] == 'nice' else 'none'
+with open(os.path.join(out, name + '.started'), 'w') as f:
+  f.write(f'{os.nice(0)} {os.getsid(0)} {autogroup}')
+if name == 'timed':  # still running when the unit part starts
+  deadline = time.monotonic() + 60
+  while not os.path.exists(os.path.join(out, 'unit.started')):
+    if time.monotonic() > deadline:
+      print('the parts ran one after the other; 1 failed')
+      sys.exit(1)
+    time.sleep(0.05)
+failed = name == os.environ.get('FAIL')
+print('1 failed' if failed else '1 passed')
+sys.exit(1 if failed else 0)
 '''
 
 
 @pytest.fixture
 def fake_parts(tmp_path, monkeypatch):
-  test_file = tmp_path / 'test_recorder.py'
-  test_file.write_text(_RECORDER)
+  recorder = tmp_path / 'recorder.py'
+  recorder.write_text(_RECORDER)
   out = tmp_path / 'out'
   out.mkdir()
+  monkeypatch.setattr(run_tests, 'PYTEST', (sys.executable, str(recorder)))
   monkeypatch.setattr(run_tests, 'PARTS', {
-      name: ((str(test_file),), {'PART': name, 'OUT': str(out)})
+      name: ((), {'PART': name, 'OUT': str(out)})
       for name in ('timed', 'unit', 'avx2', 'slow')})
   return out
 
