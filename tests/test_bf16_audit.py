@@ -1,12 +1,17 @@
 """The bfloat16 audit of the GPU programs (``benchmarks/bf16_audit.py``):
-it finds a float32 product that no source line justifies."""
+it finds a float32 product that no source line justifies, and every
+model family's bfloat16 train step, exported for CUDA on this CPU, has
+none above 1 MFLOP."""
 
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from benchmarks import bf16_audit
+from capsjax.routing import votes as votes_lib
 
 _HERE = os.path.basename(__file__)
 
@@ -82,3 +87,56 @@ def test_elementwise_ops_are_counted_before_fusion():
   assert counts['by_op']['stablehlo.sine'] == 1
   assert counts['main_ops'] >= 3 and counts['while'] == 0
   assert counts['converts'] == {}
+
+
+def test_em_votes_are_bfloat16_products_on_a_gpu():
+  # On a CPU the votes product runs in float32 (XLA:CPU's bfloat16 batched
+  # dot is no faster); on a GPU in the votes' dtype, close to float32's.
+  poses = jax.random.normal(jax.random.key(0), (3, 5, 4, 4))
+  weights = jax.random.normal(jax.random.key(1), (5, 2, 4, 4))
+  low = (jnp.asarray(poses, jnp.bfloat16), jnp.asarray(weights, jnp.bfloat16))
+  text = bf16_audit.export_text(votes_lib.matrix_votes, *low)
+  [product] = bf16_audit.products(text)
+  assert product.types == ('bf16', 'bf16', 'bf16')
+  with bf16_audit.as_on_gpu():
+    on_gpu = votes_lib.matrix_votes(*low)
+  exact = votes_lib.matrix_votes(*(jnp.asarray(x, jnp.float32) for x in low))
+  assert on_gpu.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(on_gpu, np.float32), exact,
+                             rtol=2e-2, atol=2e-2)
+
+
+def _audit(spec, batch_size=64, **options):
+  text = bf16_audit.export_train_step(spec, batch_size=batch_size,
+                                      options=options)
+  found = bf16_audit.audit_text(text)
+  return text, found
+
+
+def test_the_smoke_capsnet_step_has_no_unjustified_float32_product():
+  text, found = _audit('capsnet_mnist:smoke', batch_size=16)
+  assert not bf16_audit.unjustified(found), bf16_audit.table(found)
+  # The decoder's products are bfloat16 (a float32 mask once made them
+  # float32), the routing's float32 and justified.
+  decoder = [p for p in found if p.types[0] == 'bf16' and p.kind ==
+             'dot_general' and 'products.py' in p.source]
+  assert len(decoder) == 9, bf16_audit.table(found)
+  routing = [p for p in found if 'routing/dynamic.py' in p.source]
+  assert routing and all(p.float32 and p.reason for p in routing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('spec', sorted(bf16_audit.FAMILIES.values()))
+def test_every_family_bf16_step_has_no_unjustified_float32_product(spec):
+  _, found = _audit(spec)
+  bad = bf16_audit.unjustified(found)
+  assert not bad, bf16_audit.table(bad)
+  assert any(p.types[0] == 'bf16' for p in found)
+
+
+@pytest.mark.slow
+def test_the_em_step_with_the_pallas_window_kernel():
+  text, found = _audit('matrix_capsnet_mnist', implementation='pallas')
+  assert not bf16_audit.unjustified(found), bf16_audit.table(found)
+  # ConvCaps1 and ConvCaps2 route in Triton kernels, forward and backward.
+  assert bf16_audit.op_counts(text)['custom_calls'] == 4
