@@ -570,6 +570,60 @@ def convert_elements(text: str) -> dict[str, int]:
   return dict(out.most_common())
 
 
+_HLO_INSTRUCTION = re.compile(
+    r'^\s*(?:ROOT )?%([\w.-]+) = (.+?) ([a-z][\w-]*)\((.*)$')
+_HLO_COMPUTATION = re.compile(r'^(?:ENTRY )?%([\w.-]+) ')
+
+
+def compiled_ops(hlo_text: str) -> dict[str, Any]:
+  """What a compiled program runs (``compiled.as_text()``, after XLA's
+  fusion), outside the fused computations: 'instructions', 'fusions' (each
+  one kernel on a GPU), 'layout_fusions' (fusions named for a transpose or
+  copy), 'copies' and 'transposes' (unfused), 'while' loops,
+  'custom_calls' by target, and 'convolutions': each cuDNN convolution's
+  target, dim_labels and operand and result shapes with their layouts."""
+  fused = set(re.findall(r'calls=%([\w.-]+)', hlo_text))
+  counts = collections.Counter()
+  targets = collections.Counter()
+  convolutions = []
+  computation = ''
+  for line in hlo_text.splitlines():
+    header = _HLO_COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+      continue
+    match = _HLO_INSTRUCTION.match(line)
+    if not match or computation in fused:
+      continue
+    name, result, opcode, rest = match.groups()
+    if opcode in ('parameter', 'constant', 'get-tuple-element', 'tuple',
+                  'bitcast'):
+      continue
+    counts['instructions'] += 1
+    counts[opcode] += 1
+    if opcode == 'fusion' and re.search(r'transpose|copy', name):
+      counts['layout_fusions'] += 1
+    if opcode == 'custom-call':
+      target = re.search(r'custom_call_target="([^"]+)"', rest)
+      target = target.group(1) if target else '?'
+      targets[target] += 1
+      if 'conv' in target.lower():
+        labels = re.search(r'dim_labels=([\w>-]+)', rest)
+        operands = re.findall(r'[a-z]+\d*\[[\d,]*\]\{[\d,]*\}',
+                              rest.split('),')[0])
+        convolutions.append(' '.join(
+            [target, labels.group(1) if labels else '?',
+             ' '.join(operands), '->',
+             re.findall(r'[a-z]+\d*\[[\d,]*\]\{[\d,]*\}', result)[0]
+             if '{' in result else result]))
+  return {'instructions': counts['instructions'],
+          'fusions': counts['fusion'],
+          'layout_fusions': counts['layout_fusions'],
+          'copies': counts['copy'], 'transposes': counts['transpose'],
+          'while': counts['while'], 'custom_calls': dict(targets),
+          'convolutions': convolutions}
+
+
 def report(spec: str, text: str, *, top: int = 0) -> tuple[str, int]:
   """(the report of one exported step, the count of unjustified float32
   products)."""
