@@ -803,6 +803,59 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
   return '\n'.join(lines)
 
 
+VARIANT_AXES = {'dtype': ('float32', 'bfloat16'),
+                 'implementation': ('xla', 'pallas'),
+                 'conv_layout': ('xla', 'nchw')}
+
+
+def _variant(row: dict[str, Any]) -> dict[str, Any]:
+  """A model row's place in the GPU session's grid."""
+  return {'model': row['model'], 'batch_size': row['batch_size'],
+          'dtype': row['dtype'], 'conv_layout': row.get('conv_layout', 'xla'),
+          'implementation': row.get('model_options', {}).get(
+              'implementation', 'None')}
+
+
+def variant_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown of model rows that differ in one ``VARIANT_AXES`` axis: for
+  each axis, the rows alike in everything else side by side, with the
+  images/s ratio (other / base: above 1, the other is faster) and each
+  side's compile time and fusions."""
+  done = {}
+  for row in rows:
+    if row.get('train_images_per_s'):
+      done[tuple(sorted(_variant(row).items()))] = row
+  lines = []
+  for axis, (base, other) in VARIANT_AXES.items():
+    pairs = []
+    for key, row in done.items():
+      variant = dict(key)
+      if variant[axis] != base:
+        continue
+      twin = done.get(tuple(sorted((variant | {axis: other}).items())))
+      if twin is not None:
+        pairs.append((variant, row, twin))
+    if not pairs:
+      continue
+    rest = [a for a in ('dtype', 'implementation', 'conv_layout') if a != axis]
+    lines += ['', f'{other} against {base} ({axis}):', '',
+              '| model | batch | ' + ' | '.join(rest) + f' | {base} img/s | '
+              f'{other} img/s | {other} / {base} | compile s | fusions |',
+              '|---|---|' + '---|' * len(rest) + '---|---|---|---|---|']
+    for variant, row, twin in sorted(
+        pairs, key=lambda p: (p[0]['model'], p[0]['batch_size'],
+                              [str(p[0][a]) for a in rest])):
+      lines.append(
+          f"| {variant['model']} | {variant['batch_size']} | "
+          + ' | '.join(str(variant[a]) for a in rest) + ' | '
+          f"{row['train_images_per_s']:.1f} | {twin['train_images_per_s']:.1f}"
+          f" | {twin['train_images_per_s'] / row['train_images_per_s']:.2f} | "
+          f"{row['compile_s']:.1f} / {twin['compile_s']:.1f} | "
+          f"{row.get('compiled_ops', {}).get('fusions', '-')} / "
+          f"{twin.get('compiled_ops', {}).get('fusions', '-')} |")
+  return '\n'.join(lines[1:])
+
+
 def markdown_tables(rows: list[dict[str, Any]]) -> str:
   """Markdown tables of model rows and routing rows."""
   lines = []
@@ -893,10 +946,13 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
         torch_modes: tuple[str, ...] = TORCH_MODES,
         compare_dtypes: tuple[str, ...] = ('float32', 'bfloat16'),
         train_only: bool = False,
-        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        log: Callable[[str], None] = print,
+        on_row: Callable[[list[dict[str, Any]]], None] | None = None
+        ) -> list[dict[str, Any]]:
   """All rows of one invocation (the flags as keyword arguments; ``model``
   one or several, comma-separated; model rows sweep a grid, ``sweep``
-  being ``parse_sweeps``')."""
+  being ``parse_sweeps``'); ``on_row`` is called with the rows so far
+  after each model row (to write them as they come)."""
   rows = []
   if routing_only:
     sweep_key, values = parse_sweep(sweep)
@@ -934,6 +990,8 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
           compile_only=compile_only, seed=seed, num_devices=num_devices,
           compare=compare, rounds=rounds, torch_modes=torch_modes,
           compare_dtypes=compare_dtypes, train_only=train_only, log=log))
+      if on_row is not None:
+        on_row(rows)
   return rows
 
 

@@ -91,7 +91,8 @@ _DTYPE = flags.DEFINE_enum(
     'dtype', 'float32', ['float32', 'bfloat16'],
     'Compute dtype of parameters and images (bfloat16: mixed precision).')
 _OUTPUT = flags.DEFINE_string(
-    'output', '', 'JSON file for the rows ({"rows": [...], ...}); "" for none.')
+    'output', '', 'JSON file for the rows ({"rows": [...], ...}), rewritten '
+    'after each model row; "" for none.')
 _MARKDOWN = flags.DEFINE_string(
     'markdown', '', 'Also write the markdown tables to this file.')
 _ROUTING_ONLY = flags.DEFINE_bool(
@@ -151,6 +152,12 @@ _NUM_DEVICES = flags.DEFINE_integer(
     '=N first makes N devices.', lower_bound=1)
 
 
+def _write_rows(rows) -> None:
+  """The rows so far into --output, so that a run cut short keeps them."""
+  if _OUTPUT.value:
+    harness.write_outputs(rows, _OUTPUT.value, '')
+
+
 def benchmark() -> None:
   harness.set_conv_layout(_CONV_LAYOUT.value)
   rows = harness.run(
@@ -165,7 +172,7 @@ def benchmark() -> None:
       compare=_COMPARE.value, rounds=_ROUNDS.value,
       torch_modes=tuple(_TORCH_MODES.value),
       compare_dtypes=tuple(_COMPARE_DTYPES.value),
-      train_only=_TRAIN_ONLY.value)
+      train_only=_TRAIN_ONLY.value, on_row=_write_rows)
   print(harness.write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
 
 

@@ -122,6 +122,28 @@ def test_variant_grid_train_only_with_a_forced_conv_layout(tmp_path):
       result.stdout)
 
 
+def test_variant_table_pairs_rows_that_differ_in_one_axis():
+  def row(dtype, implementation, layout, speed, batch=64):
+    return {'model': 'capsnet_mnist', 'batch_size': batch, 'dtype': dtype,
+            'conv_layout': layout, 'train_images_per_s': speed,
+            'compile_s': 5.0, 'compiled_ops': {'fusions': 90},
+            'model_options': {'implementation': implementation}}
+
+  rows = [row('float32', 'xla', 'xla', 100.0),
+          row('bfloat16', 'xla', 'xla', 150.0),
+          row('float32', 'pallas', 'xla', 80.0),
+          row('float32', 'xla', 'nchw', 120.0),
+          row('float32', 'xla', 'xla', 10.0, batch=16)]  # no twin
+  table = harness.variant_table(rows)
+  assert '| capsnet_mnist | 64 | xla | xla | 100.0 | 150.0 | 1.50 |' in table
+  assert ('| capsnet_mnist | 64 | float32 | xla | 100.0 | 80.0 | 0.80 |'
+          in table)
+  assert ('| capsnet_mnist | 64 | float32 | xla | 100.0 | 120.0 | 1.20 |'
+          in table)
+  assert '| 16 |' not in table
+  assert table.count('against') == 3
+
+
 def test_conv_layout_is_set_before_the_backend_starts(monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', '--xla_backend_optimization_level=0')
   assert harness.conv_layout() == 'xla'
