@@ -556,6 +556,54 @@ def op_counts(text: str) -> dict[str, Any]:
           'functions': len(_FUNC.findall(text)), 'by_op': dict(counts)}
 
 
+def _op_lines(text: str) -> Iterator[tuple[str, str, str]]:
+  """(function, op name, location reference) of every op of a module
+  (returns aside), nested regions included."""
+  function = ''
+  for line in text.splitlines():
+    header = _FUNC.search(line)
+    if header:
+      function = header.group(1)
+      continue
+    match = re.match(r'^\s*(?:%[\w]+(?::\d+)? = )?"?((?:stablehlo|func|chlo|'
+                     r'mhlo|tt)\.[\w.]+)', line)
+    if not match or match.group(1) in ('func.return', 'stablehlo.return'):
+      continue
+    loc = _TRAILING_LOC.search(line.rstrip())
+    ref = loc.group(1) if loc else ''
+    yield function, match.group(1), (
+        ref if ref.startswith('#') or not ref else f'loc({ref})')
+
+
+def ops_by_layer(text: str) -> dict[str, int]:
+  """Ops of a module by what made them. Ops of 'main': the innermost frame
+  in capsjax/layers/ (the layer's method, e.g. 'ConvCapsules.__call__'),
+  'optimizer' for the update (``state.apply_gradients``), else the
+  innermost frame's function in capsjax ('?' without one; the ops of an
+  unrolled routing loop's body carry that body's own stack: em_m_step,
+  ...). Ops of the module's other functions (JAX's outlined helpers, each
+  counted once however often it is called; their locations can come from
+  an earlier trace in the process): '@' and the function's name, its
+  numbering dropped ('@_where', '@threefry2x32'). Largest first."""
+  locations = _Locations(text)
+  counts = collections.Counter()
+  for function, _, ref in _op_lines(text):
+    if function != 'main':
+      counts['@' + re.sub(r'_\d+$', '', function)] += 1
+      continue
+    frames = [f for f in locations.frames(ref) if f.in_repo] if ref else []
+    layer = next((f for f in frames
+                  if f'{os.sep}capsjax{os.sep}layers{os.sep}' in f.path), None)
+    if any(f.function == 'apply_gradients' for f in frames):
+      key = 'optimizer'
+    elif layer is not None:
+      key = layer.function or str(layer)
+    else:
+      key = (frames[0].function or str(frames[0])) if frames else '?'
+    counts[key] += 1
+  return dict(counts.most_common())
+
+
 def convert_elements(text: str) -> dict[str, int]:
   """Elements converted a step, by 'from->to' element type (the casts of
   mixed precision and those around float32 statistics)."""
@@ -665,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
                       help='KEY=VALUE, as experiments.benchmark')
   parser.add_argument('--top', type=int, default=0,
                       help='rows of each table (0: all)')
+  parser.add_argument('--ops', action='store_true',
+                      help='also the ops (before fusion) by the layer that '
+                      'made them')
   parser.add_argument('--save', default='',
                       help='folder for each exported module (NAME.mlir)')
   args = parser.parse_args(argv)
@@ -685,6 +736,9 @@ def main(argv: list[str] | None = None) -> int:
                       + ''.join(f' {k}={v}' for k, v in options.items()),
                       text, top=args.top)
     print(out, flush=True)
+    if args.ops:
+      print('   ops by layer: ' + ', '.join(
+          f'{k} {v}' for k, v in ops_by_layer(text).items()), flush=True)
     failures += bad
   return 1 if failures else 0
 

@@ -89,6 +89,14 @@ def test_elementwise_ops_are_counted_before_fusion():
   assert counts['converts'] == {}
 
 
+def test_ops_are_counted_by_what_made_them():
+  text = bf16_audit.export_text(_planted, _bf16(8, 16), _bf16(16, 16))
+  counts = bf16_audit.ops_by_layer(text)
+  # Two products, the two converts and the sum, all made by _planted.
+  assert counts['_planted'] >= 5, counts
+  assert sum(counts.values()) == bf16_audit.op_counts(text)['all_ops']
+
+
 def test_em_votes_are_bfloat16_products_on_a_gpu():
   # On a CPU the votes product runs in float32 (XLA:CPU's bfloat16 batched
   # dot is no faster); on a GPU in the votes' dtype, close to float32's.
