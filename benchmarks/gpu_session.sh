@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # One prepared GPU session, at most 9 minutes on a fresh machine without
-# internet: the environment, profiles of the paper CapsNet's and the paper
-# EM model's train steps, capsjax's best mode against PyTorch's best for
-# each model at two batch sizes, the Pallas routing kernels against XLA,
-# the routing, Pallas and EM kernel tests, and all
-# the evidence in at most 8 files under $OUT.
+# internet: the environment, then the variants of the train steps that
+# decide where capsjax goes on a GPU, one process per model, routing
+# implementation and convolution layout, each a grid of float32 and
+# bfloat16 at batches 64, 128 and 16 (experiments.benchmark --sweep, the
+# train step only): the paper CapsNet and the paper EM model with XLA's
+# routing (then a profile of the bfloat16 CapsNet step), the EM model
+# with the Pallas window kernel, the CapsNet with the Pallas routing
+# kernel, the CapsNet with its convolutions forced to NCHW
+# (--conv_layout=nchw; XLA's own choice on Hopper is NHWC:
+# docs/gpu_plan.md); last a profile of the bfloat16 EM step.
+# Steps run in that order while the budget lasts; one it no longer fits
+# is skipped and says so, and one cut off keeps the rows it finished (its
+# JSON is rewritten after each row).
 #
 # Before the call, once, in the repository root (on a machine with pip's
 # internet; the GPU image lacks ml_collections and tensorboardX, and
@@ -16,10 +24,13 @@
 # On the GPU machine, with .whl/ copied along and 10 minutes (the script
 # stops itself after 540 s):
 #   OUT=DIR bash benchmarks/gpu_session.sh
-# What comes back in $OUT: env.txt (machine and versions), summary.txt (each
-# step's exit status and wall time, then the comparison tables), all.log
-# (every step's output as it ran), profile_capsnet_b128.txt and
-# profile_em_b64.txt (the top ops), evidence.tar.gz (the JSON rows and the
+# What comes back in $OUT (6 files): env.txt (machine and versions),
+# summary.txt (each step's exit status and wall time, every row, then the
+# variant tables: bfloat16 against float32, Pallas against XLA, NCHW
+# against XLA's layout), all.log (every step's output as it ran),
+# profile_capsnet_b128_bf16.txt and profile_em_b64_bf16.txt (the top ops
+# and what the compiled step runs), evidence.tar.gz (the JSON rows, with
+# each compiled step's fusions and cuDNN convolution layouts, and the
 # logs, repacked after every step so that a cut-off call still has them).
 #
 # Check it on a CPU first: `bash benchmarks/gpu_session.sh --dry-run` (or
@@ -32,15 +43,15 @@ DRY=${CPU_DRY_RUN:-0}
 [ "$DRY" = 0 ] || DRY=1
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# Each step is a new process: a persistent compilation cache lets the
-# comparisons reuse the train steps the profiles compiled.
+# Each step is a new process: a persistent compilation cache lets a
+# later one reuse a program an earlier one compiled.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/capsjax_jax_cache}
 if [ "$DRY" = 1 ]; then
   OUT=${OUT:-/tmp/gpu_session_dry}
   export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=
-  TOTAL=${SESSION_SECONDS:-420}; PACK=15; TESTS_RESERVE=30
+  TOTAL=${SESSION_SECONDS:-420}; PACK=15
 else
-  TOTAL=${SESSION_SECONDS:-540}; PACK=25; TESTS_RESERVE=90
+  TOTAL=${SESSION_SECONDS:-540}; PACK=25
 fi
 OUT=${OUT:?set OUT to the folder for the evidence}
 mkdir -p "$OUT"
@@ -127,100 +138,79 @@ except Exception as e:
 echo "=== env at $(( $(date +%s) - T0 )) s" | tee -a "$LOG" "$SUMMARY"
 pack
 
-# Sizes: the GPU's, or tiny ones for the CPU check.
+# Sizes: the GPU's, or tiny ones for the CPU check (where the Pallas
+# kernels run in their interpreter: one row each).
 if [ "$DRY" = 1 ]; then
   CAPSNET=capsnet_mnist:smoke; EM=matrix_capsnet_mnist:smoke
-  CAPS_B=(2 4); EM_B=(2 4); PROFILE_B=(4 2); PROFILE_STEPS=2
-  TORCH=eager_float32; DTYPES=float32; EM_DTYPES=float32
-  FAST="--steps=1 --warmup=0 --rounds=1"; SLOW="--steps=1 --warmup=0 --rounds=1"
-  CAP_PROFILE=60; CAP_FAST=60; CAP_EM=60; CAP_TESTS=60; CAP_KERNELS=60
-  ROUTING_KERNELS=(--tiny); EM_KERNELS=(--tiny)
-  TESTS_ARGS=(--co)
+  CAPS_GRID='batch_size:4,2;dtype:float32,bfloat16'; EM_GRID=$CAPS_GRID
+  EM_PALLAS_GRID='batch_size:2;dtype:float32'; CAPS_PALLAS_GRID=$EM_PALLAS_GRID
+  LAYOUT_GRID='batch_size:2;dtype:float32,bfloat16'
+  PROFILE_CAPS_B=4; PROFILE_EM_B=2; PROFILE_STEPS=2
+  TIMING="--steps=1 --warmup=0"
+  CAP_CAPS=90; CAP_EM=90; CAP_PALLAS=90; CAP_LAYOUT=60; CAP_PROFILE=60
 else
   CAPSNET=capsnet_mnist; EM=matrix_capsnet_mnist
-  CAPS_B=(128 64); EM_B=(64 16); PROFILE_B=(128 64); PROFILE_STEPS=5
-  # Each side's best mode: PyTorch's was torch.compile (float32 or bfloat16)
-  # on the H200, eager float32 stays as the rows' common reference.
-  TORCH=${TORCH_MODES:-eager_float32,compile_float32,compile_bfloat16}
-  DTYPES=float32,bfloat16
-  # capsjax's bfloat16 EM step was slower than float32 on the H200 and its
-  # compile costs about 20 s, more than this session can spare.
-  EM_DTYPES=${EM_DTYPES:-float32}
-  FAST="--steps=10 --warmup=2 --rounds=3"; SLOW="--steps=5 --warmup=2 --rounds=3"
-  CAP_PROFILE=70; CAP_FAST=60; CAP_EM=110; CAP_TESTS=150; CAP_KERNELS=60
-  ROUTING_KERNELS=(--batch_sizes=64,128); EM_KERNELS=(--batch_sizes=16,64)
-  TESTS_ARGS=(-x -q -p no:cacheprovider -rfE --durations=15)
+  CAPS_GRID='batch_size:64,128,16;dtype:float32,bfloat16'
+  EM_GRID='batch_size:64,16,128;dtype:float32,bfloat16'
+  EM_PALLAS_GRID=$EM_GRID; CAPS_PALLAS_GRID=$CAPS_GRID
+  LAYOUT_GRID='batch_size:64,128;dtype:float32,bfloat16'
+  PROFILE_CAPS_B=128; PROFILE_EM_B=64; PROFILE_STEPS=5
+  TIMING="--steps=10 --warmup=2"
+  # A row's compile on the H100/H200: CapsNet 6-11 s; the EM model 18-35 s
+  # with XLA's routing, 12 s with the Pallas window kernel.
+  CAP_CAPS=90; CAP_EM=150; CAP_PALLAS=100; CAP_LAYOUT=60; CAP_PROFILE=50
 fi
 
-# (b) Where the train steps spend their time.
-RESERVE=$TESTS_RESERVE
-step "$CAP_PROFILE" profile_capsnet_b${PROFILE_B[0]} "$OUT/profile_capsnet_b128.txt" -- \
-  "$PY" -m benchmarks.profile_step --model=$CAPSNET --batch_size=${PROFILE_B[0]} \
-  --steps=$PROFILE_STEPS --top=25
-step "$CAP_PROFILE" profile_em_b${PROFILE_B[1]} "$OUT/profile_em_b64.txt" -- \
-  "$PY" -m benchmarks.profile_step --model=$EM --batch_size=${PROFILE_B[1]} \
-  --steps=$PROFILE_STEPS --top=25
-
-# (c) Best mode against best mode, the targets first: one process and one
-# JSON per row, so that a timeout loses one row only.
-B="$PY -m experiments.benchmark --compare=torch --torch_modes=$TORCH"
-compare() {  # CAP NAME MODEL BATCH DTYPES STEPS...
-  local cap=$1 name=$2 model=$3 batch=$4 dtypes=$5; shift 5
-  step "$cap" "$name" -- $B --model="$model" --batch_size="$batch" \
-    --compare_dtypes="$dtypes" "$@" --output="$WORK/json/$name.json"
+# (b) The variants: one process per model, implementation and layout, a
+# row per point of its grid, one JSON each.
+B="$PY -m experiments.benchmark --train_only $TIMING"
+variants() {  # CAP NAME MODEL IMPLEMENTATION GRID [FLAGS...]
+  local cap=$1 name=$2 model=$3 implementation=$4 grid=$5; shift 5
+  step "$cap" "$name" -- $B --model="$model" \
+    --model_option=implementation="$implementation" --sweep="$grid" "$@" \
+    --output="$WORK/json/$name.json"
 }
-compare "$CAP_FAST" capsnet_b${CAPS_B[0]} $CAPSNET ${CAPS_B[0]} $DTYPES $FAST
-compare "$CAP_EM" em_b${EM_B[0]} $EM ${EM_B[0]} $EM_DTYPES $SLOW
-# The Pallas kernels (never the default until measured here): the routing
-# alone against XLA's, then the train steps that route with them.
-step "$CAP_KERNELS" routing_kernels -- "$PY" -m benchmarks.routing_kernels \
-  "${ROUTING_KERNELS[@]}" --output="$WORK/json/routing_kernels.jsonl"
-step "$CAP_KERNELS" em_kernels -- "$PY" -m benchmarks.em_kernels \
-  "${EM_KERNELS[@]}" --output="$WORK/json/em_kernels.jsonl"
-step "$CAP_FAST" capsnet_pallas_b${CAPS_B[0]} -- "$PY" -m experiments.benchmark \
-  --model=$CAPSNET --batch_size=${CAPS_B[0]} --model_option=implementation=pallas \
-  $FAST --output="$WORK/json/capsnet_pallas.json"
-step "$CAP_EM" em_pallas_b${EM_B[0]} -- "$PY" -m experiments.benchmark \
-  --model=$EM --batch_size=${EM_B[0]} --model_option=implementation=pallas \
-  $SLOW --output="$WORK/json/em_pallas.json"
-compare "$CAP_FAST" capsnet_b${CAPS_B[1]} $CAPSNET ${CAPS_B[1]} $DTYPES $FAST
-compare "$CAP_EM" em_b${EM_B[1]} $EM ${EM_B[1]} $EM_DTYPES $SLOW
-compare "$CAP_FAST" su_b${CAPS_B[0]} two_digit_capsnet ${CAPS_B[0]} $DTYPES $FAST
-compare "$CAP_FAST" su_b${CAPS_B[1]} two_digit_capsnet ${CAPS_B[1]} $DTYPES $FAST
-# Efficient-CapsNet has no PyTorch reference: capsjax in float32 alone.
-step "$CAP_FAST" efficient -- "$PY" -m experiments.benchmark \
-  --model=efficient_capsnet_mnist --sweep=batch_size:${CAPS_B[1]},${CAPS_B[0]} \
-  $FAST --output="$WORK/json/efficient.json"
+variants "$CAP_CAPS" capsnet_xla $CAPSNET xla "$CAPS_GRID"
+# Where the bfloat16 CapsNet step spends its time (the float32 steps'
+# profiles: results/benchmarks/gpu_h100).
+step "$CAP_PROFILE" profile_capsnet_b${PROFILE_CAPS_B}_bf16 \
+  "$OUT/profile_capsnet_b128_bf16.txt" -- \
+  "$PY" -m benchmarks.profile_step --model=$CAPSNET --dtype=bfloat16 \
+  --batch_size=$PROFILE_CAPS_B --steps=$PROFILE_STEPS --top=25
+variants "$CAP_EM" em_xla $EM xla "$EM_GRID"
+variants "$CAP_PALLAS" em_pallas $EM pallas "$EM_PALLAS_GRID"
+variants "$CAP_CAPS" capsnet_pallas $CAPSNET pallas "$CAPS_PALLAS_GRID"
+variants "$CAP_LAYOUT" capsnet_nchw $CAPSNET xla "$LAYOUT_GRID" --conv_layout=nchw
 
-# (d) The routing and EM kernel tests on this device.
-RESERVE=0
-step "$CAP_TESTS" tests -- "$PY" -m pytest "${TESTS_ARGS[@]}" \
-  tests/test_routing.py tests/test_em_kernel.py tests/test_released_em.py \
-  tests/test_pallas_routing.py tests/test_pallas_em.py
+# (c) Where the bfloat16 EM step spends its time.
+step "$CAP_PROFILE" profile_em_b${PROFILE_EM_B}_bf16 \
+  "$OUT/profile_em_b64_bf16.txt" -- \
+  "$PY" -m benchmarks.profile_step --model=$EM --dtype=bfloat16 \
+  --batch_size=$PROFILE_EM_B --steps=$PROFILE_STEPS --top=25
 
-# (e) The comparison tables into the summary, then the last pack.
+# (d) Every row and the variant tables into the summary, then the last
+# pack.
 {
   echo
   timeout 30 "$PY" - "$WORK/json" <<'EOF'
 import glob, json, os, sys
 from benchmarks import harness
-rows, plain = [], []
+rows = []
 for path in sorted(glob.glob(os.path.join(sys.argv[1], '*.json'))):
   try:
-    for row in json.load(open(path))['rows']:
-      (rows if row.get('compare') == 'torch' else plain).append(row)
+    rows += json.load(open(path))['rows']
   except Exception as e:
     print(f'{path}: {type(e).__name__}: {e}')
-if rows:
-  print(harness.compare_table(rows))
-for row in plain:
-  print(f"{row['model']} batch {row['batch_size']} {row['dtype']}: train "
-        f"{row.get('train_images_per_s') or 0:.0f} img/s, compile "
-        f"{row.get('compile_s') or 0:.1f} s")
-for path in sorted(glob.glob(os.path.join(sys.argv[1], '*.jsonl'))):
-  print(os.path.basename(path))
-  for line in open(path):
-    print(' ', line.strip())
+for row in rows:
+  ops = row.get('compiled_ops', {})
+  print(f"{row['label']} conv_layout={row.get('conv_layout')}: train "
+        f"{row.get('train_images_per_s') or 0:.1f} img/s, compile "
+        f"{row.get('compile_s') or 0:.1f} s, {ops.get('fusions')} fusions "
+        f"({ops.get('layout_fusions')} transpose/copy), "
+        f"{len(ops.get('convolutions', []))} convolution custom calls, peak "
+        f"{(row.get('peak_memory_bytes') or 0) / 2**30:.2f} GiB")
+print()
+print(harness.variant_table(rows))
 EOF
   echo "total $(( $(date +%s) - T0 )) s"
 } >> "$SUMMARY" 2>&1

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from benchmarks import bf16_audit
+from capsjax import _jax_private
 from capsjax import flops as flops_lib
 from capsjax import models
 from capsjax import routing
@@ -45,6 +47,14 @@ from experiments.configs import matrix_capsnet_mnist
 # so that the harness and the command's flags need no torch.
 TORCH_MODES = ('eager_float32', 'compile_float32', 'eager_bfloat16',
                'compile_bfloat16')
+
+# The physical layout XLA's GPU compiler gives cuDNN's convolutions
+# (``--conv_layout``): its own choice, or forced by its debug options (an
+# XLA_FLAGS setting, read once when the backend starts). Its choice on
+# Hopper GPUs is NHWC for every dtype but float64, on older CUDA GPUs NHWC
+# for float16 and bfloat16 and NCHW for float32 (docs/gpu_plan.md).
+CONV_LAYOUTS = {'xla': '', 'nhwc': '--xla_gpu_force_conv_nhwc=true',
+                'nchw': '--xla_gpu_force_conv_nchw=true'}
 
 # Routing shapes of the paper models. (kind, votes shape given B)
 ROUTING_CASES: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
@@ -100,6 +110,34 @@ def resolve_config(spec: str) -> ml_collections.ConfigDict:
         f'experiments/configs (e.g. capsnet_mnist:smoke).')
   return importlib.import_module(f'experiments.configs.{name}').get_config(
       variant)
+
+
+def set_conv_layout(layout: str) -> str:
+  """Adds ``CONV_LAYOUTS[layout]`` to XLA_FLAGS (before JAX starts its
+  backend) and returns XLA_FLAGS; 'xla' changes nothing. ValueError for an
+  unknown layout, or a forced one once the backend has started (too late
+  for XLA to read it)."""
+  if layout not in CONV_LAYOUTS:
+    raise ValueError(f'--conv_layout must be one of '
+                     f'{", ".join(CONV_LAYOUTS)}, got {layout!r}.')
+  flags = os.environ.get('XLA_FLAGS', '')
+  flag = CONV_LAYOUTS[layout]
+  if flag and flag not in flags.split():
+    if _jax_private.backends_started():
+      raise ValueError(f'--conv_layout={layout}: the JAX backend has started, '
+                       'so XLA would not read the flag; set it first.')
+    flags = f'{flags} {flag}'.strip()
+    os.environ['XLA_FLAGS'] = flags
+  return flags
+
+
+def conv_layout() -> str:
+  """The ``CONV_LAYOUTS`` name XLA_FLAGS asks for ('xla': none)."""
+  flags = os.environ.get('XLA_FLAGS', '').split()
+  for name, flag in CONV_LAYOUTS.items():
+    if flag and flag in flags:
+      return name
+  return 'xla'
 
 
 def parse_value(text: str) -> Any:
@@ -416,10 +454,13 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                     num_devices: int = 1, compare: str = '',
                     rounds: int = 3,
                     torch_modes: tuple[str, ...] = TORCH_MODES,
-                    compare_dtypes: tuple[str, ...] = ('float32', 'bfloat16')
-                    ) -> dict[str, Any]:
+                    compare_dtypes: tuple[str, ...] = ('float32', 'bfloat16'),
+                    train_only: bool = False) -> dict[str, Any]:
   """One row: train/eval throughput, compile time and memory of a config,
-  the batch split over the first ``num_devices`` local devices. With
+  the batch split over the first ``num_devices`` local devices
+  (``train_only``: the eval step neither compiled nor timed, its fields
+  None), and what the compiled train step runs (``compiled_ops``: its
+  fusions, layout changes and cuDNN convolutions). With
   ``compare='torch'`` the train step is timed in ``rounds`` rounds
   alternating over capsjax in ``dtype`` and ``compare_dtypes`` and the
   PyTorch reference in ``torch_modes`` (``time_modes``), and the row gets
@@ -456,10 +497,10 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                   donate_argnums=0)
   evaluate = jax.jit(functools.partial(family_steps.eval_step, graphdef))
   train_compiled, compile_s = _compile(train, state, images, labels, data_key)
-  eval_compiled, eval_compile_s = _compile(
+  eval_compiled, eval_compile_s = (None, None) if train_only else _compile(
       evaluate, state.params, state.model_state, images, labels, mask)
   train_memory = memory_analysis(train_compiled)
-  eval_memory = memory_analysis(eval_compiled)
+  eval_memory = memory_analysis(eval_compiled) if eval_compiled else {}
   train_cost = xla_cost(train_compiled)
 
   row: dict[str, Any] = {
@@ -471,6 +512,9 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
                         state_lib.model_options(config).items()},
       'dtype': dtype,
       'conv_backend': conv.backend(),
+      'conv_layout': conv_layout(),
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'compiled_ops': bf16_audit.compiled_ops(train_compiled.as_text()),
       'num_devices': num_devices,
       'num_params': num_params,
       'compile_s': compile_s,
@@ -518,12 +562,12 @@ def benchmark_model(config: ml_collections.ConfigDict, *, name: str = '',
     else:
       train_s = _median_seconds(train_call, warmup, steps)
     state = holder['state']
-    eval_s = _median_seconds(
-        lambda: eval_compiled(state.params, state.model_state, images, labels,
-                              mask), warmup, steps)
-    row.update(train_step_s=train_s, eval_step_s=eval_s,
-               train_images_per_s=batch / train_s,
-               eval_images_per_s=batch / eval_s)
+    row.update(train_step_s=train_s, train_images_per_s=batch / train_s)
+    if eval_compiled is not None:
+      eval_s = _median_seconds(
+          lambda: eval_compiled(state.params, state.model_state, images,
+                                labels, mask), warmup, steps)
+      row.update(eval_step_s=eval_s, eval_images_per_s=batch / eval_s)
     if train_cost['flops']:
       row['train_gflops_per_s_xla'] = train_cost['flops'] / train_s / 1e9
   device_peak = device_peak_bytes()
@@ -759,6 +803,59 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
   return '\n'.join(lines)
 
 
+VARIANT_AXES = {'dtype': ('float32', 'bfloat16'),
+                 'implementation': ('xla', 'pallas'),
+                 'conv_layout': ('xla', 'nchw')}
+
+
+def _variant(row: dict[str, Any]) -> dict[str, Any]:
+  """A model row's place in the GPU session's grid."""
+  return {'model': row['model'], 'batch_size': row['batch_size'],
+          'dtype': row['dtype'], 'conv_layout': row.get('conv_layout', 'xla'),
+          'implementation': row.get('model_options', {}).get(
+              'implementation', 'None')}
+
+
+def variant_table(rows: list[dict[str, Any]]) -> str:
+  """Markdown of model rows that differ in one ``VARIANT_AXES`` axis: for
+  each axis, the rows alike in everything else side by side, with the
+  images/s ratio (other / base: above 1, the other is faster) and each
+  side's compile time and fusions."""
+  done = {}
+  for row in rows:
+    if row.get('train_images_per_s'):
+      done[tuple(sorted(_variant(row).items()))] = row
+  lines = []
+  for axis, (base, other) in VARIANT_AXES.items():
+    pairs = []
+    for key, row in done.items():
+      variant = dict(key)
+      if variant[axis] != base:
+        continue
+      twin = done.get(tuple(sorted((variant | {axis: other}).items())))
+      if twin is not None:
+        pairs.append((variant, row, twin))
+    if not pairs:
+      continue
+    rest = [a for a in ('dtype', 'implementation', 'conv_layout') if a != axis]
+    lines += ['', f'{other} against {base} ({axis}):', '',
+              '| model | batch | ' + ' | '.join(rest) + f' | {base} img/s | '
+              f'{other} img/s | {other} / {base} | compile s | fusions |',
+              '|---|---|' + '---|' * len(rest) + '---|---|---|---|---|']
+    for variant, row, twin in sorted(
+        pairs, key=lambda p: (p[0]['model'], p[0]['batch_size'],
+                              [str(p[0][a]) for a in rest])):
+      lines.append(
+          f"| {variant['model']} | {variant['batch_size']} | "
+          + ' | '.join(str(variant[a]) for a in rest) + ' | '
+          f"{row['train_images_per_s']:.1f} | {twin['train_images_per_s']:.1f}"
+          f" | {twin['train_images_per_s'] / row['train_images_per_s']:.2f} | "
+          f"{row['compile_s']:.1f} / {twin['compile_s']:.1f} | "
+          f"{row.get('compiled_ops', {}).get('fusions', '-')} / "
+          f"{twin.get('compiled_ops', {}).get('fusions', '-')} |")
+  return '\n'.join(lines[1:])
+
+
 def markdown_tables(rows: list[dict[str, Any]]) -> str:
   """Markdown tables of model rows and routing rows."""
   lines = []
@@ -777,7 +874,7 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
           f"{'x'.join(map(str, r['image_shape']))} | {r['num_params']:,} | "
           f"{_fmt(r['train_images_per_s'], '.1f')} | "
           f"{_fmt(r['eval_images_per_s'], '.1f')} | "
-          f"{r['compile_s']:.1f} / {r['eval_compile_s']:.1f} | "
+          f"{r['compile_s']:.1f} / {_fmt(r['eval_compile_s'], '.1f')} | "
           f"{_gib(r['peak_memory_bytes'])} "
           f"({'device' if r['peak_memory_source'].startswith('device') else 'XLA'})"
           f" | {_gib(r['peak_rss_bytes'])} |")
@@ -817,6 +914,18 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
   return key, [parse_value(v) for v in values.split(',')]
 
 
+def parse_sweeps(text: str) -> list[dict[str, Any]]:
+  """'dtype:float32,bfloat16;batch_size:8,16' -> one {key: value} per
+  combination, the last key varying fastest; '' -> [{}]."""
+  grid: list[dict[str, Any]] = [{}]
+  for part in filter(None, (p.strip() for p in text.split(';'))):
+    key, values = parse_sweep(part)
+    if key in grid[0]:
+      raise ValueError(f'--sweep names {key!r} twice: {text!r}.')
+    grid = [point | {key: value} for point in grid for value in values]
+  return grid
+
+
 def parse_options(items: list[str]) -> dict[str, Any]:
   options = {}
   for item in items:
@@ -836,12 +945,17 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
         num_devices: int = 1, compare: str = '', rounds: int = 3,
         torch_modes: tuple[str, ...] = TORCH_MODES,
         compare_dtypes: tuple[str, ...] = ('float32', 'bfloat16'),
-        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        train_only: bool = False,
+        log: Callable[[str], None] = print,
+        on_row: Callable[[list[dict[str, Any]]], None] | None = None
+        ) -> list[dict[str, Any]]:
   """All rows of one invocation (the flags as keyword arguments; ``model``
-  one or several, comma-separated)."""
-  sweep_key, values = parse_sweep(sweep)
+  one or several, comma-separated; model rows sweep a grid, ``sweep``
+  being ``parse_sweeps``'); ``on_row`` is called with the rows so far
+  after each model row (to write them as they come)."""
   rows = []
   if routing_only:
+    sweep_key, values = parse_sweep(sweep)
     if sweep_key not in ('', 'batch_size', 'num_iterations'):
       raise ValueError('--routing_only sweeps batch_size or num_iterations, '
                        f'not {sweep_key!r}.')
@@ -867,45 +981,53 @@ def run(*, model: str, batch_size: int = 0, steps: int = 5, warmup: int = 1,
     return rows
   if compare:
     check_modes(torch_modes, compare_dtypes)
+  grid = parse_sweeps(sweep)
   for name in [m.strip() for m in model.split(',') if m.strip()]:
-    for value in values:
+    for point in grid:
       rows.append(_model_row(
-          name, sweep_key, value, batch_size=batch_size, steps=steps,
+          name, point, batch_size=batch_size, steps=steps,
           warmup=warmup, dtype=dtype, options=options, image_size=image_size,
           compile_only=compile_only, seed=seed, num_devices=num_devices,
           compare=compare, rounds=rounds, torch_modes=torch_modes,
-          compare_dtypes=compare_dtypes, log=log))
+          compare_dtypes=compare_dtypes, train_only=train_only, log=log))
+      if on_row is not None:
+        on_row(rows)
   return rows
 
 
-def _model_row(model: str, sweep_key: str, value, *, batch_size: int,
+def _model_row(model: str, point: dict[str, Any], *, batch_size: int,
                steps: int, warmup: int, dtype: str,
                options: dict[str, Any] | None, image_size: int,
                compile_only: bool, seed: int, num_devices: int, compare: str,
                rounds: int, torch_modes: tuple[str, ...],
-               compare_dtypes: tuple[str, ...],
+               compare_dtypes: tuple[str, ...], train_only: bool,
                log: Callable[[str], None]) -> dict[str, Any]:
-  """One model row of ``run`` (``value`` the sweep's), logged."""
+  """One model row of ``run`` at ``point`` of the sweep's grid, logged:
+  batch_size, image_size, num_devices and dtype set as their flags would,
+  any other key as a model option."""
   setting = {'batch_size': batch_size, 'image_size': image_size,
              'options': dict(options or {})}
-  devices = value if sweep_key == 'num_devices' else num_devices
-  if sweep_key in ('batch_size', 'image_size'):
-    setting[sweep_key] = value
-  elif sweep_key and sweep_key != 'num_devices':
-    setting['options'][sweep_key] = value
+  devices = point.get('num_devices', num_devices)
+  dtype = point.get('dtype', dtype)
+  for key, value in point.items():
+    if key in ('batch_size', 'image_size'):
+      setting[key] = value
+    elif key not in ('num_devices', 'dtype'):
+      setting['options'][key] = value
   config = configure(model, **setting)
   row = benchmark_model(config, name=model, steps=steps, warmup=warmup,
                         dtype=dtype, compile_only=compile_only, seed=seed,
                         num_devices=devices, compare=compare, rounds=rounds,
                         torch_modes=torch_modes,
-                        compare_dtypes=compare_dtypes)
+                        compare_dtypes=compare_dtypes, train_only=train_only)
   row['label'] = ' '.join(
       [model] + [f'{k}={v}' for k, v in (options or {}).items()]
-      + ([f'{sweep_key}={value}'] if sweep_key else []))
+      + [f'{k}={v}' for k, v in point.items()])
   log(f"{row['label']} batch {row['batch_size']} {dtype}: "
       f"train {_fmt(row['train_images_per_s'], '.1f')} img/s, eval "
       f"{_fmt(row['eval_images_per_s'], '.1f')} img/s, compile "
-      f"{row['compile_s']:.1f}+{row['eval_compile_s']:.1f} s, peak memory "
+      f"{row['compile_s']:.1f}+{_fmt(row['eval_compile_s'], '.1f')} s, "
+      f"{row['compiled_ops']['fusions']} fusions, peak memory "
       f"{_gib(row['peak_memory_bytes'])} GiB ({row['peak_memory_source']}), "
       f"peak RSS {_gib(row['peak_rss_bytes'])} GiB")
   if row.get('compare') == 'torch':

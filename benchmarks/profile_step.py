@@ -4,7 +4,8 @@ with ``jax.profiler.trace`` and the trace read back with
 ``jax.profiler.ProfileData``, printing the top operations by total time.
 
   python -m benchmarks.profile_step --model=capsnet_mnist --batch_size=128 \\
-      --steps=5 [--dtype=bfloat16] [--top=25]
+      --steps=5 [--dtype=bfloat16] [--top=25] [--conv_layout=nchw] \\
+      [--model_option=implementation=pallas]
 
 On a GPU the operations are the kernels and copies on the device plane
 ('/device:GPU:0'), named by the HLO op that launched them where the trace
@@ -31,6 +32,7 @@ from typing import Any
 
 import jax
 
+from benchmarks import bf16_audit
 from benchmarks import harness
 
 # Events on the host lines that wrap ops rather than being one: counting
@@ -119,11 +121,13 @@ def read_trace(path: str, steps: int) -> dict[str, Any]:
 
 
 def profile(model: str, *, batch_size: int = 0, steps: int = 5,
-            dtype: str = 'float32', warmup: int = 2) -> dict[str, Any]:
-  """Compile ``model``'s train step, time ``steps`` steps untraced, then
-  trace ``steps`` more; ``read_trace``'s dict with 'step_s' (the untraced
-  median), 'traced_step_s', 'compile_s' and the setting added."""
-  config = harness.configure(model, batch_size=batch_size)
+            dtype: str = 'float32', warmup: int = 2,
+            options: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Compile ``model``'s train step (``options``: model options), time
+  ``steps`` steps untraced, then trace ``steps`` more; ``read_trace``'s
+  dict with 'step_s' (the untraced median), 'traced_step_s', 'compile_s',
+  'compiled_ops' (``bf16_audit.compiled_ops``) and the setting added."""
+  config = harness.configure(model, batch_size=batch_size, options=options)
   step, (state, images, labels, key) = harness.train_step_and_inputs(
       config, dtype=dtype)
   # Donated as in the harness, so the program profiled is the one it times.
@@ -131,6 +135,7 @@ def profile(model: str, *, batch_size: int = 0, steps: int = 5,
   compiled = jax.jit(step, donate_argnums=0).lower(
       state, images, labels, key).compile()
   compile_s = time.perf_counter() - start
+  compiled_ops = bf16_audit.compiled_ops(compiled.as_text())
   for _ in range(warmup):
     state, _ = compiled(state, images, labels, key)
   jax.block_until_ready(state)
@@ -155,6 +160,9 @@ def profile(model: str, *, batch_size: int = 0, steps: int = 5,
   return result | {'model': model, 'model_name': config.model,
                    'batch_size': config.batch_size, 'dtype': dtype,
                    'device': str(jax.devices()[0]), 'compile_s': compile_s,
+                   'options': dict(options or {}),
+                   'conv_layout': harness.conv_layout(),
+                   'compiled_ops': compiled_ops,
                    'step_s': statistics.median(times),
                    'traced_step_s': traced_s}
 
@@ -165,10 +173,18 @@ def table(result: dict[str, Any], top: int = 25) -> str:
   span_ms = result['span_ns'] / 1e6 / steps
   total_ms = sum(o['ns'] for o in result['ops']) / 1e6 / steps
   whole_ms = max(span_ms, total_ms)
+  ops = result['compiled_ops']
+  options = ''.join(f' {k}={v}' for k, v in result['options'].items())
   lines = [
       f"{result['model']} ({result['model_name']}) batch "
-      f"{result['batch_size']} {result['dtype']} on {result['device']}: "
+      f"{result['batch_size']} {result['dtype']}{options} conv_layout="
+      f"{result['conv_layout']} on {result['device']}: "
       f"compile {result['compile_s']:.1f} s",
+      f"compiled: {ops['instructions']} instructions, {ops['fusions']} "
+      f"fusions ({ops['layout_fusions']} transposes/copies), "
+      f"{ops['copies'] + ops['transposes']} unfused transposes/copies, "
+      f"{ops['while']} while loops, custom calls {ops['custom_calls']}",
+      *(f'  {conv}' for conv in ops['convolutions']),
       f"step {result['step_s'] * 1e3:.3f} ms untraced (median of {steps}), "
       f"{result['traced_step_s'] * 1e3:.3f} ms traced; traced op span "
       f"{span_ms:.3f} ms/step, op time {total_ms:.3f} ms/step in "
@@ -199,9 +215,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--dtype', default='float32')
   parser.add_argument('--top', type=int, default=25)
+  parser.add_argument('--conv_layout', default='xla',
+                      choices=list(harness.CONV_LAYOUTS),
+                      help='as experiments.benchmark --conv_layout')
+  parser.add_argument('--model_option', action='append', default=[],
+                      help='KEY=VALUE, as experiments.benchmark')
   args = parser.parse_args(argv)
+  harness.set_conv_layout(args.conv_layout)
   result = profile(args.model, batch_size=args.batch_size, steps=args.steps,
-                   dtype=args.dtype, warmup=args.warmup)
+                   dtype=args.dtype, warmup=args.warmup,
+                   options=harness.parse_options(args.model_option))
   print(table(result, args.top), flush=True)
   return 0
 

@@ -296,7 +296,9 @@ def _class_capsule_outputs(model: nnx.Module, primary: jax.Array,
   out = {'class_scores': lengths, 'capsules': capsules, 'coupling': coupling,
          'primary_lengths': routing.safe_norm(primary, axis=-1)}
   if model.decoder is not None:
-    mask = model.decoder_mask(lengths, labels, train)
+    # The mask (0s and 1s) in the capsules' dtype: a float32 mask (the
+    # lengths') would promote a bfloat16 decoder to float32.
+    mask = model.decoder_mask(lengths, labels, train).astype(capsules.dtype)
     masked = (capsules * mask[..., None]).reshape(capsules.shape[0], -1)
     out['reconstructions'] = jax.nn.sigmoid(model.decoder(masked))
   return out
@@ -673,9 +675,9 @@ class TwoDigitBaseline(nnx.Module):
     del labels, train
     x = self.trunk(_check_images(images, self.input_channels, None,
                                  self.trunk.convs[0].kernel.dtype))
-    # The head in float32 (128 -> 128 -> K: cheap), so that bfloat16
-    # compute does not round the scores into ties (see _lengths).
     pooled = x.mean(axis=(1, 2)).astype(jnp.promote_types(x.dtype, jnp.float32))
+    # float32: the head (128 -> 128 -> K) is cheap, and bfloat16 compute
+    # would round the scores into ties (see _lengths).
     return {'class_scores': jax.nn.sigmoid(self.head(pooled))}
 
 

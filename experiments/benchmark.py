@@ -8,6 +8,9 @@
       --output=results/benchmarks/routing.json --markdown=routing.md
   python -m experiments.benchmark --model=two_digit_capsnet --batch_size=32 \\
       --sweep=image_size:28,40,56
+  python -m experiments.benchmark --model=matrix_capsnet_mnist --train_only \\
+      --sweep='implementation:xla,pallas;dtype:float32,bfloat16;batch_size:16,64'
+  python -m experiments.benchmark --model=capsnet_mnist --conv_layout=nchw
 
 ``--model`` is a registry name (``capsnet``, ``matrix_capsnet``, ...: default
 options, default training config of its family) or a config reference
@@ -35,6 +38,15 @@ bandwidth), ``fraction_of_floor`` = floor_s / measured_s (1.0 is the
 roofline). Peaks: the datasheet table in ``capsjax.flops`` for known GPUs;
 on a CPU a float32 matmul and a large elementwise copy are timed at startup
 (or pass --peak_gflops / --bandwidth_gbs).
+
+``--sweep`` takes a grid, ``KEY:V1,V2;KEY2:V1,V2``: a row for each
+combination. ``--train_only`` neither compiles nor times the eval step
+(its fields are None). Every model row says what its compiled train step
+runs (``compiled_ops``: fusions, layout changes, each cuDNN convolution's
+dim_labels and layouts) and the convolutions' layout asked of XLA's GPU
+compiler (``--conv_layout``: 'xla' its own choice, 'nhwc' or 'nchw'
+forced through XLA_FLAGS before the backend starts; ``conv_layout``,
+``xla_flags``).
 
 ``--dtype=bfloat16`` measures a mixed-precision step: float32 master
 parameters and optimiser, bfloat16 copies of the parameters and images for
@@ -79,7 +91,8 @@ _DTYPE = flags.DEFINE_enum(
     'dtype', 'float32', ['float32', 'bfloat16'],
     'Compute dtype of parameters and images (bfloat16: mixed precision).')
 _OUTPUT = flags.DEFINE_string(
-    'output', '', 'JSON file for the rows ({"rows": [...], ...}); "" for none.')
+    'output', '', 'JSON file for the rows ({"rows": [...], ...}), rewritten '
+    'after each model row; "" for none.')
 _MARKDOWN = flags.DEFINE_string(
     'markdown', '', 'Also write the markdown tables to this file.')
 _ROUTING_ONLY = flags.DEFINE_bool(
@@ -92,7 +105,17 @@ _NUM_ITERATIONS = flags.DEFINE_integer(
 _SWEEP = flags.DEFINE_string(
     'sweep', '', 'KEY:V1,V2,...: one row per value. KEY is batch_size, '
     'num_devices, image_size (any model with an input_shape option, or the '
-    'two-digit models) or a model option such as num_iterations.')
+    'two-digit models), dtype or a model option such as num_iterations or '
+    'implementation; several, KEY:...;KEY2:..., for a row per combination '
+    '(--routing_only: one).')
+_TRAIN_ONLY = flags.DEFINE_bool(
+    'train_only', False, 'Compile and time the train step only (not the '
+    'eval step).')
+_CONV_LAYOUT = flags.DEFINE_enum(
+    'conv_layout', 'xla', list(harness.CONV_LAYOUTS), 'Layout of the cuDNN '
+    'convolutions on a GPU: xla (XLA\'s choice), or nhwc / nchw forced '
+    '(XLA_FLAGS --xla_gpu_force_conv_nhwc / _nchw, set before the backend '
+    'starts; no effect on a CPU).')
 _MODEL_OPTIONS = flags.DEFINE_multi_string(
     'model_option', [], 'KEY=VALUE model option override, repeatable (e.g. '
     'remat=True, votes_dtype=bfloat16).')
@@ -129,7 +152,14 @@ _NUM_DEVICES = flags.DEFINE_integer(
     '=N first makes N devices.', lower_bound=1)
 
 
+def _write_rows(rows) -> None:
+  """The rows so far into --output, so that a run cut short keeps them."""
+  if _OUTPUT.value:
+    harness.write_outputs(rows, _OUTPUT.value, '')
+
+
 def benchmark() -> None:
+  harness.set_conv_layout(_CONV_LAYOUT.value)
   rows = harness.run(
       model=_MODEL.value, batch_size=_BATCH_SIZE.value, steps=_STEPS.value,
       warmup=_WARMUP.value, dtype=_DTYPE.value,
@@ -141,7 +171,8 @@ def benchmark() -> None:
       seed=_SEED.value, num_devices=_NUM_DEVICES.value,
       compare=_COMPARE.value, rounds=_ROUNDS.value,
       torch_modes=tuple(_TORCH_MODES.value),
-      compare_dtypes=tuple(_COMPARE_DTYPES.value))
+      compare_dtypes=tuple(_COMPARE_DTYPES.value),
+      train_only=_TRAIN_ONLY.value, on_row=_write_rows)
   print(harness.write_outputs(rows, _OUTPUT.value, _MARKDOWN.value))
 
 

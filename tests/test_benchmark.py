@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import bf16_audit
 from benchmarks import harness
 from capsjax import flops
 from capsjax import routing
@@ -94,6 +95,90 @@ def test_device_count_sweep_in_bfloat16(tmp_path):
   assert 'num_devices must be 1 to 1' in too_many.stderr
 
 
+def test_variant_grid_train_only_with_a_forced_conv_layout(tmp_path):
+  """The GPU session's variants in one process: a dtype x implementation
+  grid (--sweep), the eval step skipped (--train_only), the convolutions'
+  layout forced through XLA_FLAGS (no effect on a CPU, recorded in the
+  rows), and what each compiled train step runs."""
+  output = tmp_path / 'out.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.benchmark',
+       '--model=capsnet_mnist:smoke', '--batch_size=2', '--steps=1',
+       '--warmup=0', '--train_only', '--conv_layout=nchw',
+       '--sweep=dtype:float32,bfloat16;implementation:xla',
+       f'--output={output}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(output.read_text())['rows']
+  assert [(r['dtype'], r['model_options']['implementation']) for r in rows
+          ] == [('float32', 'xla'), ('bfloat16', 'xla')]
+  for row in rows:
+    _positive_finite(row, ('train_images_per_s', 'compile_s'))
+    assert row['eval_images_per_s'] is None and row['eval_compile_s'] is None
+    assert row['conv_layout'] == 'nchw'
+    assert '--xla_gpu_force_conv_nchw=true' in row['xla_flags'].split()
+    assert row['compiled_ops']['fusions'] > 0
+  assert 'capsnet_mnist:smoke dtype=bfloat16 implementation=xla' in (
+      result.stdout)
+
+
+def test_variant_table_pairs_rows_that_differ_in_one_axis():
+  def row(dtype, implementation, layout, speed, batch=64):
+    return {'model': 'capsnet_mnist', 'batch_size': batch, 'dtype': dtype,
+            'conv_layout': layout, 'train_images_per_s': speed,
+            'compile_s': 5.0, 'compiled_ops': {'fusions': 90},
+            'model_options': {'implementation': implementation}}
+
+  rows = [row('float32', 'xla', 'xla', 100.0),
+          row('bfloat16', 'xla', 'xla', 150.0),
+          row('float32', 'pallas', 'xla', 80.0),
+          row('float32', 'xla', 'nchw', 120.0),
+          row('float32', 'xla', 'xla', 10.0, batch=16)]  # no twin
+  table = harness.variant_table(rows)
+  assert '| capsnet_mnist | 64 | xla | xla | 100.0 | 150.0 | 1.50 |' in table
+  assert ('| capsnet_mnist | 64 | float32 | xla | 100.0 | 80.0 | 0.80 |'
+          in table)
+  assert ('| capsnet_mnist | 64 | float32 | xla | 100.0 | 120.0 | 1.20 |'
+          in table)
+  assert '| 16 |' not in table
+  assert table.count('against') == 3
+
+
+def test_conv_layout_is_set_before_the_backend_starts(monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', '--xla_backend_optimization_level=0')
+  assert harness.conv_layout() == 'xla'
+  assert harness.set_conv_layout('xla') == '--xla_backend_optimization_level=0'
+  with pytest.raises(ValueError, match='one of xla, nhwc, nchw'):
+    harness.set_conv_layout('nwhc')
+  jax.devices()  # the backend has started: too late for a flag
+  with pytest.raises(ValueError, match='backend has started'):
+    harness.set_conv_layout('nhwc')
+  monkeypatch.setenv('XLA_FLAGS', harness.CONV_LAYOUTS['nhwc'])
+  assert harness.conv_layout() == 'nhwc'
+  assert harness.set_conv_layout('nhwc') == harness.CONV_LAYOUTS['nhwc']
+
+
+def test_compiled_ops_reads_a_gpu_program():
+  text = '\n'.join([
+      'ENTRY %main.1 (p0: f32[8,28,28,1], p1: f32[9,9,1,32]) -> f32[8] {',
+      '  %p0 = f32[8,28,28,1]{3,2,1,0} parameter(0)',
+      '  %transpose.2 = f32[32,9,9,1]{3,2,1,0} transpose(f32[9,9,1,32]{3,2,1,0}'
+      ' %p1), dimensions={3,0,1,2}',
+      '  %cudnn-conv.1 = (f32[8,20,20,32]{3,2,1,0}, u8[0]{0}) custom-call('
+      'f32[8,28,28,1]{3,2,1,0} %p0, f32[32,9,9,1]{3,2,1,0} %transpose.2), '
+      'window={size=9x9}, dim_labels=b01f_o01i->b01f, '
+      'custom_call_target="__cudnn$convForward", backend_config={}',
+      '  %loop_transpose_fusion = f32[8] fusion(%cudnn-conv.1), '
+      'kind=kLoop, calls=%fused_transpose',
+      '}'])
+  ops = bf16_audit.compiled_ops(text)
+  assert ops['fusions'] == ops['layout_fusions'] == ops['transposes'] == 1
+  assert ops['custom_calls'] == {'__cudnn$convForward': 1}
+  assert ops['convolutions'] == [
+      '__cudnn$convForward b01f_o01i->b01f f32[8,28,28,1]{3,2,1,0} '
+      'f32[32,9,9,1]{3,2,1,0} -> f32[8,20,20,32]{3,2,1,0}']
+
+
 def test_routing_only_rows(tmp_path):
   rows = harness.run(
       model='', routing_only=True, batch_size=1, steps=1, warmup=0,
@@ -145,6 +230,14 @@ def test_config_resolution_and_shapes():
   with pytest.raises(ValueError, match='KEY:V1'):
     harness.parse_sweep('batch_size')
   assert harness.parse_sweep('batch_size:8,16') == ('batch_size', [8, 16])
+  assert harness.parse_sweeps('') == [{}]
+  assert harness.parse_sweeps('dtype:float32,bfloat16; batch_size:8,16') == [
+      {'dtype': 'float32', 'batch_size': 8},
+      {'dtype': 'float32', 'batch_size': 16},
+      {'dtype': 'bfloat16', 'batch_size': 8},
+      {'dtype': 'bfloat16', 'batch_size': 16}]
+  with pytest.raises(ValueError, match='twice'):
+    harness.parse_sweeps('dtype:float32;dtype:bfloat16')
   assert harness.parse_options(['remat=True', 'votes_dtype=bfloat16']) == {
       'remat': True, 'votes_dtype': 'bfloat16'}
 

@@ -339,6 +339,8 @@ def squeeze_width(images: ArrayLike, amounts: ArrayLike) -> jax.Array:
         image, image.shape, (1,), s[None], t[None], 'lanczos3',
         antialias=True)
 
+  # float32: the input pipeline's resampling, before the model's compute
+  # dtype (the images are float32 until the model casts them).
   return jax.vmap(one)(images, scale,
                        offset.astype(jnp.float32)).astype(images.dtype)
 

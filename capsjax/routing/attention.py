@@ -120,6 +120,7 @@ def self_attention_routing(
   wide = votes.astype(_compute_dtype(votes))
   dim = votes.shape[-1]
   total = jnp.sum(wide, axis=-3)  # sum_k u_ko: [..., O, D]
+  # float32: a routing statistic (the agreements of the self-attention).
   agreement = _SUM('...iod,...od->...io', wide, total) / math.sqrt(dim)
   coupling = jax.nn.softmax(agreement, axis=-1)
   if log_priors is not None:
@@ -127,6 +128,7 @@ def self_attention_routing(
     # on implicit rank promotion.
     coupling = coupling + jnp.broadcast_to(
         jnp.asarray(log_priors, wide.dtype), coupling.shape)
+  # float32: a routing statistic (the coupled sum of the votes).
   outputs = efficient_squash(_SUM('...io,...iod->...od', coupling, wide))
   return outputs.astype(votes.dtype), coupling
 

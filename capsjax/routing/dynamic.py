@@ -55,6 +55,7 @@ def coupling_coefficients(logits: ArrayLike, *, leaky: bool = False
 def _weighted_sum(votes: jax.Array, coupling: jax.Array,
                   bias: jax.Array | None) -> jax.Array:
   """s_j = sum_i c_ij u_hat_j|i [+ bias_j]: [..., I, O, D] -> [..., O, D]."""
+  # float32: a routing statistic (s_j, the coupled sum of the votes).
   s = jnp.einsum('...io,...iod->...od', coupling, votes)
   if bias is not None:
     # Explicit broadcast: a bias shared over the batch ([O, D]) must not rely
@@ -126,6 +127,7 @@ def dynamic_routing(
   def step(_, state: DynamicRoutingState) -> DynamicRoutingState:
     coupling = coupling_coefficients(state.logits, leaky=leaky)
     outputs, target = agreement_target(_weighted_sum(votes32, coupling, bias32))
+    # float32: a routing statistic (the agreements, summed into the logits).
     agreement = jnp.einsum('...iod,...od->...io', votes32, target)
     logits = state.logits + agreement if accumulate else agreement
     return DynamicRoutingState(logits, outputs)
@@ -142,8 +144,9 @@ def dynamic_routing(
     return outputs.astype(out_dtype), coupling
   # b = 0 + <u_hat, v> in both update rules. The loop carry has the compute
   # dtype (float64 under jax_enable_x64).
-  state = DynamicRoutingState(
-      jnp.einsum('...iod,...od->...io', votes32, target), outputs)
+  # float32: a routing statistic (the first agreements, the logits).
+  agreement = jnp.einsum('...iod,...od->...io', votes32, target)
+  state = DynamicRoutingState(agreement, outputs)
   state = jax.lax.fori_loop(0, num_iterations - 2, step, state,
                             unroll=UNROLL_ITERATIONS)
   coupling = coupling_coefficients(state.logits, leaky=leaky)

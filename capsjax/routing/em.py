@@ -139,12 +139,14 @@ def em_m_step(
   else:
     mass = mass + padded_mass_epsilon
     normalized = weights / mass[..., None]
+  # float32: a routing statistic (each parent's mean of the votes).
   poses = _SUM('...oi,...oid->...od', normalized, votes)
   if center_momentum:
     # The released code's centre update mu = 0.9 new + 0.1 old (old = 0 at
     # the first iteration, as there).
     poses = (1.0 - center_momentum) * poses + center_momentum * previous_poses
   # Two-pass variance: E[(V - mu)^2] never goes negative, E[V^2] - mu^2 can.
+  # float32: a routing statistic (each parent's variance of the votes).
   variances = _SUM('...oi,...oid->...od', normalized,
                    jnp.square(votes - poses[..., None, :]))
   log_variances = jnp.log(variances + variance_epsilon)
@@ -190,6 +192,7 @@ def em_e_step(votes: jax.Array, poses: jax.Array, log_variances: jax.Array,
   Returns:
     log R: [..., O, I].
   """
+  # float32: a routing statistic (the E-step's scaled squared distances).
   sq_dist = _SUM('...oid,...od->...oi',
                  jnp.square(votes - poses[..., None, :]),
                  jnp.exp(-log_variances))

@@ -73,7 +73,8 @@ def matrix_votes(poses: ArrayLike, weights: ArrayLike) -> jax.Array:
     weights: [I, O, P, P] transforms W_ij.
   Returns:
     [..., I, O, P*P] votes in the promoted dtype of poses and weights (the
-    product is computed in float32 or wider).
+    product computed in float32 or wider on a CPU, in that dtype
+    elsewhere).
   """
   poses, weights = jnp.asarray(poses), jnp.asarray(weights)
   if (weights.ndim != 4 or poses.ndim < 3 or poses.shape[-3] != weights.shape[0]
@@ -82,10 +83,14 @@ def matrix_votes(poses: ArrayLike, weights: ArrayLike) -> jax.Array:
         f'matrix_votes: poses [..., I, P, P] = {poses.shape} do not match '
         f'weights [I, O, P, P] = {weights.shape}.')
   dtype = jnp.promote_types(poses.dtype, weights.dtype)
-  # The product in float32 at least, the votes rounded to ``dtype`` after:
-  # XLA:CPU's bfloat16 batched dot was no faster (up to 1.14x slower in the
-  # paper EM model's bfloat16 train step).
-  compute = jnp.promote_types(dtype, jnp.float32)
+  # On a CPU the product runs in float32 at least, the votes rounded to
+  # ``dtype`` after: XLA:CPU's bfloat16 batched dot was no faster (up to
+  # 1.14x slower in the paper EM model's bfloat16 train step). Elsewhere it
+  # runs in ``dtype``: on a GPU the float32 product of bfloat16 poses wrote
+  # float32 votes, the model's largest tensor, only to round them to
+  # bfloat16 (benchmarks/bf16_audit.py).
+  compute = (jnp.promote_types(dtype, jnp.float32)
+             if jax.default_backend() == 'cpu' else dtype)
   *lead, num_in, p, q = poses.shape
   num_out, r = weights.shape[1], weights.shape[3]
   # One dot batched over the children, I leading: [I, n*P, Q] @ [I, Q, O*R].
