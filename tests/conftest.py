@@ -43,6 +43,16 @@ _IDX_FILES = tuple(f'{split}-{kind}-ubyte.gz' for split in ('train', 't10k')
                    for kind in ('images-idx3', 'labels-idx1'))
 
 
+def unit_tier_keeps(values, *kept):
+  """The ``values`` of a long parametrisation, each but ``kept`` marked
+  slow: the unit tier runs the representatives, the slow tier all of them
+  (the suite's time budget: tools/run_tests.py)."""
+  missing = set(kept) - set(values)
+  assert not missing, f'{missing} are not among the values'
+  return [value if value in kept else pytest.param(value, marks=pytest.mark.slow)
+          for value in values]
+
+
 def missing_files(directory: str) -> list[str]:
   """The IDX files of a dataset directory that are not there."""
   return [name for name in _IDX_FILES

@@ -67,6 +67,7 @@ def test_cli_smoke_run_writes_json_and_markdown(tmp_path):
   assert table in result.stdout
 
 
+@pytest.mark.slow  # data parallel, as the other sweeps over devices
 def test_device_count_sweep_in_bfloat16(tmp_path):
   """--sweep=num_devices splits the batch over forced CPU devices; the
   bfloat16 rows run the families' own mixed-precision steps."""

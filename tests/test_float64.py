@@ -31,6 +31,7 @@ from experiments.configs import baseline_cnn_mnist
 from experiments.configs import capsnet_mnist
 from experiments.configs import matrix_capsnet_mnist
 from experiments.configs import two_digit_transfer
+from tests.conftest import unit_tier_keeps
 
 NARROW = ('float32', 'bfloat16', 'float16')
 
@@ -140,7 +141,8 @@ CASES = ['capsnet', 'capsnet_official', 'baseline_cnn', 'matrix_capsnet',
          'matrix_capsnet_authors', 'two_digit_capsnet', 'two_digit_baseline']
 
 
-@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('case', unit_tier_keeps(CASES, 'capsnet',
+                                                 'matrix_capsnet'))
 def test_float64_train_step_has_no_narrower_value(case, monkeypatch):
   config = _config(case)
   with jax.enable_x64(True):

@@ -41,6 +41,7 @@ def _probe(setting):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two processes of 40 calls each
 @pytest.mark.skipif(not sys.platform.startswith('linux'),
                     reason='glibc malloc settings: Linux only')
 def test_retained_memory_is_not_faulted_in_again_on_later_calls():

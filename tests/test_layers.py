@@ -575,7 +575,9 @@ _NORMALIZERS = {'window': {}, 'across': {'normalize_across_positions': True},
 # differences (the others' gradients equal the whole layer's, so they would
 # repeat that check).
 @pytest.mark.parametrize('normalizer,chunks', [
-    ('window', (4, 1, 13)), ('across', (1,)), ('released', (6, 13))])
+    ('window', (4, 1, 13)),
+    pytest.param('across', (1,), marks=pytest.mark.slow),
+    pytest.param('released', (6, 13), marks=pytest.mark.slow)])
 def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):
   # 3 x 2 positions of 4 images. Chunks of 1 window, of 4 positions of an
   # image (its 6 padded to 8), of 2 whole images (13 windows: images 0, 2

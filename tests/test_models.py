@@ -13,6 +13,7 @@ from capsjax import families
 from capsjax import models
 from capsjax import routing
 from capsjax import training
+from tests.conftest import unit_tier_keeps
 
 # Small widths: the full models are slow to compile and run on a CPU.
 SMALL_CAPSNET = dict(conv1_channels=16, primary_types=4,
@@ -123,7 +124,8 @@ REGISTRY_INPUTS = {
 }
 
 
-@pytest.mark.parametrize('name', models.list_models())
+@pytest.mark.parametrize('name', unit_tier_keeps(
+    models.list_models(), 'capsnet', 'matrix_capsnet'))
 def test_bfloat16_forward_keeps_class_scores_distinct(name):
   """In bfloat16 compute the class scores are still float32 (capsule
   lengths, EM activations, Su's sigmoids): as many distinct values as in

@@ -4,7 +4,8 @@
 AVX2-only CPU (its gemm convolutions, which keep im2col columns in a
 scratchpad); ``CAPSJAX_NATIVE_ARCH`` builds the fused EM kernel for another
 instruction set than this CPU's. Both are read when a process starts, hence
-the subprocesses.
+the subprocesses: the slow tier's, and CI's AVX2 part runs them
+(tools/run_tests.py).
 """
 
 import json
@@ -18,6 +19,8 @@ from capsjax.kernels.conv import onednn
 from tests import conftest
 from tests.conftest import REPO
 from tests.helpers import make_cifar10_release
+
+pytestmark = pytest.mark.slow
 
 
 def _run(args, env_updates, cwd=REPO, timeout=600):

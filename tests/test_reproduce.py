@@ -705,6 +705,7 @@ def test_bench_table_goes_under_its_device_and_replaces_its_last_one(
   assert text.count('<!-- bench:gpu:NVIDIA H100:begin -->') == 1
 
 
+@pytest.mark.slow  # the benchmark itself: tests/test_benchmark.py
 def test_bench_suite_runs_the_benchmark_for_both_dtypes(tmp_path):
   """Two rows of the real bench suite on this CPU, 1 timed step each."""
   (tmp_path / 'BENCHMARKS.md').write_text('# B\n')

@@ -359,11 +359,29 @@ def test_a_run_under_nohup_keeps_ignoring_the_hangup():
     signal.signal(signal.SIGHUP, previous)
 
 
+def test_each_stop_signal_becomes_a_stop_request_and_handlers_come_back():
+  """In process, what the subprocess tests below check for Ctrl-C: each
+  stop signal is a request between steps, a second one stops at once, and
+  the handlers before are restored."""
+  from capsjax.training import loop
+  before = {signum: signal.getsignal(signum)
+            for signum in checkpoints.stop_signals()}
+  for signum in checkpoints.stop_signals():
+    with loop._StopSignals() as stop:
+      os.kill(os.getpid(), signum)
+      assert stop.signum == signum
+      with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signum)
+  assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+# Ctrl-C in the unit tier; the other signals take the same path (one
+# handler for all three) and are the slow tier's.
 @pytest.mark.parametrize('signum', [
-    signal.SIGINT, signal.SIGTERM,
-    pytest.param(signal.SIGHUP, marks=pytest.mark.skipif(
+    signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+    pytest.param(signal.SIGHUP, marks=[pytest.mark.slow, pytest.mark.skipif(
         signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
-        reason='SIGHUP is ignored here (nohup), and so in the run'))])
+        reason='SIGHUP is ignored here (nohup), and so in the run')])])
 def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
                                                         signum):
   """Ctrl-C, a scheduler's SIGTERM or a closed terminal's SIGHUP: a

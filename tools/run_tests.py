@@ -10,7 +10,9 @@ The suite has four parts:
   (what a contributor runs after each change, ``pytest -n 2 -m "not
   slow"``);
 - ``avx2``: the native code's test files again, with oneDNN held to AVX2
-  and the EM kernel built for x86-64-v2, as on an AVX2-only CPU;
+  and the EM kernel built for x86-64-v2, as on an AVX2-only CPU, and the
+  tests of builds and kernels for other CPUs (tests/test_native_isa.py,
+  whose subprocesses are the slow tier's otherwise);
 - ``slow`` (``--all``): the long integration tests (training runs on 1, 2
   and 8 devices and in two processes, experiments end to end), on two
   workers;
@@ -44,7 +46,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NATIVE_TEST_FILES = ('tests/test_onednn.py', 'tests/test_onednn_bf16.py',
                      'tests/test_cpu_convolutions.py',
-                     'tests/test_em_kernel.py')
+                     'tests/test_em_kernel.py', 'tests/test_native_isa.py')
 PYTEST = (sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider')
 # name -> (pytest arguments, extra environment)
 PARTS = {
