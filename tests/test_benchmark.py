@@ -96,6 +96,7 @@ def test_device_count_sweep_in_bfloat16(tmp_path):
   assert 'num_devices must be 1 to 1' in too_many.stderr
 
 
+@pytest.mark.slow  # the GPU session's grid; its parts: the tests above
 def test_variant_grid_train_only_with_a_forced_conv_layout(tmp_path):
   """The GPU session's variants in one process: a dtype x implementation
   grid (--sweep), the eval step skipped (--train_only), the convolutions'

@@ -35,6 +35,7 @@ def test_gpu_train_refuses_before_starting_anything(tmp_path):
   assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow  # a profile of a train step: the GPU session's
 def test_profile_step_table_on_cpu():
   result = profile_step.profile('capsnet_mnist:smoke', batch_size=2, steps=2,
                                 warmup=1)

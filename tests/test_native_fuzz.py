@@ -36,7 +36,8 @@ and compilations. A worker that dies or hangs fails the case it was running,
 named by its shape; a new worker runs the rest, and every failing case is
 reported at the end. CAPSJAX_FUZZ_CASES=n runs n convolution cases and
 n // 3 EM cases instead of the default 40 and 12; CAPSJAX_FUZZ_DRAW picks
-another reproducible stream of cases.
+another reproducible stream of cases. The unit tier runs the first half of
+each stream (the pinned shapes among them), the slow tier the second.
 """
 
 import json
@@ -54,6 +55,7 @@ import pytest
 
 from capsjax.kernels import em_cpu
 from capsjax.kernels.conv import onednn
+from tests.conftest import unit_tier_keeps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, 'tests', 'native_fuzz_worker.py')
@@ -329,10 +331,20 @@ def _assert_all_pass(results, what):
 # Tests.
 
 
-def test_conv_cases_match_float64():
+# The first half of each stream in the unit tier, the second in the slow.
+HALVES = unit_tier_keeps(['first', 'second'], 'first')
+
+
+def _half(cases: list[dict], half: str) -> list[dict]:
+  middle = (len(cases) + 1) // 2
+  return cases[:middle] if half == 'first' else cases[middle:]
+
+
+@pytest.mark.parametrize('half', HALVES)
+def test_conv_cases_match_float64(half):
   count, _ = _case_counts()
   start = time.perf_counter()
-  results = run_cases(conv_cases(count, _stream()))
+  results = run_cases(_half(conv_cases(count, _stream()), half))
   print(f'{len(results)} convolution cases in '
         f'{time.perf_counter() - start:.1f} s')
   _assert_all_pass(results, 'convolution')
@@ -340,11 +352,12 @@ def test_conv_cases_match_float64():
 
 @pytest.mark.skipif(not onednn.available(),
                     reason=f'oneDNN is {onednn.status()}')
-def test_conv_cases_match_float64_with_onednn_held_to_avx2():
+@pytest.mark.parametrize('half', HALVES)
+def test_conv_cases_match_float64_with_onednn_held_to_avx2(half):
   count, _ = _case_counts()
   start = time.perf_counter()
   # Read by oneDNN when it loads: it has to be in the worker's environment.
-  results = run_cases(conv_cases(count, _stream()),
+  results = run_cases(_half(conv_cases(count, _stream()), half),
                       {'ONEDNN_MAX_CPU_ISA': 'AVX2'})
   print(f'{len(results)} convolution cases (AVX2) in '
         f'{time.perf_counter() - start:.1f} s')
@@ -353,10 +366,11 @@ def test_conv_cases_match_float64_with_onednn_held_to_avx2():
 
 @pytest.mark.skipif(not em_cpu.available(),
                     reason=f'EM kernel {em_cpu.status()}')
-def test_em_kernel_cases_match_xla():
+@pytest.mark.parametrize('half', HALVES)
+def test_em_kernel_cases_match_xla(half):
   _, count = _case_counts()
   start = time.perf_counter()
-  results = run_cases(em_cases(count, _stream()))
+  results = run_cases(_half(em_cases(count, _stream()), half))
   print(f'{len(results)} EM cases in {time.perf_counter() - start:.1f} s')
   _assert_all_pass(results, 'EM routing')
 

@@ -37,6 +37,7 @@ from capsjax.training import vector_capsules
 from experiments.configs import own_images as own_images_config
 from tests import conftest
 from tests.conftest import REPO
+from tests.conftest import unit_tier_keeps
 
 DataError = data_lib.DataError
 RNG = np.random.default_rng(0)
@@ -930,7 +931,8 @@ def test_predict_never_creates_a_workdir(tmp_path):
   assert not workdir.exists()
 
 
-@pytest.mark.parametrize('images_flag', ['missing_folder', 'none'])
+@pytest.mark.parametrize('images_flag', unit_tier_keeps(['missing_folder', 'none'],
+                                                       'missing_folder'))
 def test_a_failed_start_leaves_no_lock_nor_workdir(tmp_path, images_flag):
   new, existing = tmp_path / 'new' / 'work', tmp_path / 'existing'
   existing.mkdir()

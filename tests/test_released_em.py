@@ -23,6 +23,7 @@ from capsjax import layers
 from capsjax import models
 from capsjax import routing
 from capsjax.routing import votes as votes_lib
+from tests.conftest import unit_tier_keeps
 
 LOG_2PI = math.log(2 * math.pi)
 STEP = 1e-30  # the complex step
@@ -229,7 +230,7 @@ def test_released_class_routing(num_in, num_iterations):
 
 @pytest.mark.parametrize('stride, true_stride', [(1, False), (2, False),
                                                  (2, True)])
-@pytest.mark.parametrize('num_iterations', [1, 2, 3])
+@pytest.mark.parametrize('num_iterations', unit_tier_keeps([1, 2, 3], 1, 3))
 def test_released_conv_routing(stride, true_stride, num_iterations):
   rng = np.random.default_rng(10 * stride + num_iterations)
   k, in_types, out_types = 3, 3, 4

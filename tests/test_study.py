@@ -16,6 +16,7 @@ from flax import nnx
 from capsjax import families
 from capsjax import models
 from capsjax import study
+from tests.conftest import unit_tier_keeps
 
 SMALL = dict(stem_widths=(4, 4, 8, 8), primary_types=2, capsule_dim=4)
 # The three inputs of the study: MNIST, the affine canvases, Su's stacked
@@ -59,7 +60,9 @@ def test_parameter_counts_are_matched_within_ten_percent():
       'self_routing': 75_192, 'uniform': 76_392}
 
 
-@pytest.mark.parametrize('head', study.HEADS)
+# One head of each routing family in the unit tier.
+@pytest.mark.parametrize('head', unit_tier_keeps(
+    study.HEADS, 'dynamic_3', 'em', 'self_attention', 'self_routing'))
 def test_every_head_trains_with_finite_gradients_and_scores_in_0_1(head):
   model = _model(head, **SMALL)
   images = _images((4, 28, 28, 1))
