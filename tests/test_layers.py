@@ -205,13 +205,14 @@ def test_batch_norm_is_tf_fused_kernel(shape):
       for got, want in zip(out, ref, strict=True):
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-    grad = jax.grad(lambda x: jnp.sum(jnp.sin(nn.batch_norm(
-        x, *args, train=True, momentum=0.99, epsilon=1e-3)[0])))(
+    # Jitted, as below: one compilation, not one per operation.
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(nn.batch_norm(
+        x, *args, train=True, momentum=0.99, epsilon=1e-3)[0]))))(
             jnp.asarray(x))
     assert np.all(np.isfinite(grad))
     if shape[0] > 1:
-      check_grads(lambda x: nn.batch_norm(
-          x, *args, train=True, momentum=0.99, epsilon=1e-3)[0],
+      check_grads(jax.jit(lambda x: nn.batch_norm(
+          x, *args, train=True, momentum=0.99, epsilon=1e-3)[0]),
                   (jnp.asarray(x),), order=1, modes=['rev'])
       # Not vacuous: flax's running variance (the biased batch variance)
       # is over 1e-3 away on these values.
@@ -220,9 +221,9 @@ def test_batch_norm_is_tf_fused_kernel(shape):
       assert np.min(np.abs(train_ref[2] - biased)) > 1e-3
   # A bfloat16 input with float32 statistics: normalised in float32.
   low = jnp.asarray(x, jnp.bfloat16)
-  y, mean, var = nn.batch_norm(low, *(jnp.asarray(a, jnp.float32)
-                                      for a in stats),
-                               train=True, momentum=0.99, epsilon=1e-3)
+  y, mean, var = jax.jit(functools.partial(
+      nn.batch_norm, train=True, momentum=0.99, epsilon=1e-3))(
+          low, *(jnp.asarray(a, jnp.float32) for a in stats))
   assert y.dtype == mean.dtype == var.dtype == jnp.float32
   ref = np_fused_batch_norm(np.asarray(low, np.float64), *stats, True)
   for got, want in zip((y, mean, var), ref, strict=True):
@@ -716,4 +717,5 @@ def test_class_capsules_add_the_offsets_they_are_given():
                              rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(out_acts, ref_acts, rtol=1e-4, atol=1e-6)
   # Other offsets than the grid's: other outputs from the same parameters.
-  assert not np.allclose(out_poses, grid(poses, acts)[0], atol=1e-3)
+  assert not np.allclose(out_poses, jax.jit(grid.__call__)(poses, acts)[0],
+                         atol=1e-3)
