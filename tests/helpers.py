@@ -1,6 +1,7 @@
 """Helpers shared by several test files: data files written in the real
 release formats, tiny training configs, and convolution references."""
 
+import functools
 import struct
 
 import jax
@@ -68,11 +69,26 @@ def output_and_grads(conv, x, kernel, cotangent):
   return out, vjp(cotangent)
 
 
+# One jitted output_and_grads for every comparison, so that a convolution
+# passed again (the same object, e.g. from direct_reference) with inputs of
+# shapes seen before reuses its compiled program.
+_jit_output_and_grads = jax.jit(output_and_grads, static_argnums=0)
+
+
+@functools.cache
+def direct_reference(stride, padding='VALID'):
+  """direct_conv with this stride and padding, as one object per arguments:
+  the parametrisations that compare several lowerings on the same shapes
+  compile the reference once (a fresh lambda per test would miss the jit
+  cache)."""
+  return functools.partial(direct_conv, stride=stride, padding=padding)
+
+
 def assert_equals_direct(fast, direct, x, kernel, cotangent):
   """``fast`` and ``direct`` (convolutions of (x, kernel)) agree in values
   and in the gradients with respect to both the input and the kernel;
   returns fast's output."""
-  run = jax.jit(output_and_grads, static_argnums=0)
+  run = _jit_output_and_grads
   out, (gx, gk) = run(fast, x, kernel, cotangent)
   ref, (gx_ref, gk_ref) = run(direct, x, kernel, cotangent)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from capsjax.routing import matrix_capsules
 from tests.helpers import assert_equals_direct
 from tests.helpers import conv_reference
 from tests.helpers import direct_conv
+from tests.helpers import direct_reference
 from tests.helpers import random_normal
 
 
@@ -45,7 +46,7 @@ def test_cpu_convs_equal_direct_in_values_and_gradients(
   cotangent = random_normal(2, out_shape)
   out = assert_equals_direct(
       lambda x, k: lowerings.conv2d(x, k, stride, lowering=impl),
-      lambda x, k: direct_conv(x, k, stride), x, kernel, cotangent)
+      direct_reference(stride), x, kernel, cotangent)
   chex.assert_shape(out, out_shape)
 
 
@@ -124,14 +125,15 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
 def test_conv2d_impls_and_padding(impl, padding, stride):
   x = random_normal(0, (2, 11, 10, 3))
   kernel = random_normal(1, (5, 5, 3, 4), 0.2)
-  cotangent = random_normal(2, direct_conv(x, kernel, stride, padding).shape)
+  cotangent = random_normal(
+      2, jax.eval_shape(direct_reference(stride, padding), x, kernel).shape)
   if impl.startswith('onednn') and not onednn.available():
     with pytest.raises(ValueError, match=f"lowering='{impl}': oneDNN is"):
       lowerings.conv2d(x, kernel, stride, padding, impl)
     return
   assert_equals_direct(
       lambda x, k: lowerings.conv2d(x, k, stride, padding, impl),
-      lambda x, k: direct_conv(x, k, stride, padding), x, kernel, cotangent)
+      direct_reference(stride, padding), x, kernel, cotangent)
 
 
 @pytest.mark.parametrize('height,width', [(24, 24), (7, 10), (5, 4)])
@@ -203,13 +205,14 @@ def test_batch_norm_is_tf_fused_kernel(shape):
       for got, want in zip(out, ref, strict=True):
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-    grad = jax.grad(lambda x: jnp.sum(jnp.sin(nn.batch_norm(
-        x, *args, train=True, momentum=0.99, epsilon=1e-3)[0])))(
+    # Jitted, as below: one compilation, not one per operation.
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(nn.batch_norm(
+        x, *args, train=True, momentum=0.99, epsilon=1e-3)[0]))))(
             jnp.asarray(x))
     assert np.all(np.isfinite(grad))
     if shape[0] > 1:
-      check_grads(lambda x: nn.batch_norm(
-          x, *args, train=True, momentum=0.99, epsilon=1e-3)[0],
+      check_grads(jax.jit(lambda x: nn.batch_norm(
+          x, *args, train=True, momentum=0.99, epsilon=1e-3)[0]),
                   (jnp.asarray(x),), order=1, modes=['rev'])
       # Not vacuous: flax's running variance (the biased batch variance)
       # is over 1e-3 away on these values.
@@ -218,9 +221,9 @@ def test_batch_norm_is_tf_fused_kernel(shape):
       assert np.min(np.abs(train_ref[2] - biased)) > 1e-3
   # A bfloat16 input with float32 statistics: normalised in float32.
   low = jnp.asarray(x, jnp.bfloat16)
-  y, mean, var = nn.batch_norm(low, *(jnp.asarray(a, jnp.float32)
-                                      for a in stats),
-                               train=True, momentum=0.99, epsilon=1e-3)
+  y, mean, var = jax.jit(functools.partial(
+      nn.batch_norm, train=True, momentum=0.99, epsilon=1e-3))(
+          low, *(jnp.asarray(a, jnp.float32) for a in stats))
   assert y.dtype == mean.dtype == var.dtype == jnp.float32
   ref = np_fused_batch_norm(np.asarray(low, np.float64), *stats, True)
   for got, want in zip((y, mean, var), ref, strict=True):
@@ -714,4 +717,5 @@ def test_class_capsules_add_the_offsets_they_are_given():
                              rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(out_acts, ref_acts, rtol=1e-4, atol=1e-6)
   # Other offsets than the grid's: other outputs from the same parameters.
-  assert not np.allclose(out_poses, grid(poses, acts)[0], atol=1e-3)
+  assert not np.allclose(out_poses, jax.jit(grid.__call__)(poses, acts)[0],
+                         atol=1e-3)

@@ -178,16 +178,18 @@ def _check(jax_fn, ref_fn, args, seed):
   """
   rng = np.random.default_rng(seed)
   with jax.enable_x64(True):
-    got = jax.jit(jax_fn)(*[jnp.asarray(a) for a in args])
     want = ref_fn(*args)
     weights = [rng.standard_normal(np.shape(w)) for w in want]
 
     def scalar(*xs):
       outs = jax_fn(*xs)
-      return sum(jnp.sum(o * w) for o, w in zip(outs, weights, strict=True))
+      return (sum(jnp.sum(o * w) for o, w in zip(outs, weights, strict=True)),
+              outs)
 
-    grads = jax.jit(jax.grad(scalar, argnums=tuple(range(len(args)))))(
-        *[jnp.asarray(a) for a in args])
+    # The outputs and the gradients from one compiled program.
+    (_, got), grads = jax.jit(jax.value_and_grad(
+        scalar, argnums=tuple(range(len(args))), has_aux=True))(
+            *[jnp.asarray(a) for a in args])
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-13)
   for index, (arg, grad) in enumerate(zip(args, grads, strict=True)):
