@@ -616,34 +616,14 @@ def _kernel_init(name: str):
   return nn.KERNEL_INITS[name]
 
 
-class _SuTrunk(nnx.Module):
-  """Su's shared trunk, Keras defaults (VALID padding, 2x2 average pool).
-
-  Conv 64 3x3 ReLU, Conv 64 3x3 ReLU, AvgPool 2x2 (floor), Conv 128 3x3 ReLU,
-  Conv 128 3x3 ReLU: [B, H, W, C] -> [B, (H-4)//2 - 4, (W-4)//2 - 4, 128]
-  (28x28 -> 8x8, 56x28 -> 22x8). Inputs need H, W >= 14. Each output
-  position sees a 14x14 window of the input, at stride 2.
-  """
-
-  def __init__(self, in_channels: int, widths: Sequence[int], *,
-               kernel_init=nn.glorot_uniform, rngs: nnx.Rngs):
-    widths = _check_widths('trunk_widths', widths)
-    if len(widths) != 4:
-      raise ValueError(f'trunk_widths needs 4 entries, got {widths!r}.')
-    sizes = (in_channels,) + widths
-    self.convs = nnx.List([layers.Conv2D(a, b, 3, kernel_init=kernel_init,
-                                         rngs=rngs)
-                           for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    if min(x.shape[1:3]) < 14:
-      raise ValueError(
-          f'images must be at least 14x14 for this trunk, got {x.shape}.')
-    for i, conv in enumerate(self.convs):
-      x = jax.nn.relu(conv(x))
-      if i == 1:
-        x = nn.average_pool_2x2(x)
-    return x
+def _su_trunk(input_channels: int, widths, kernel_init,
+              rngs: nnx.Rngs) -> layers.SuTrunk:
+  """``layers.SuTrunk`` of ``widths``, checked: 4 positive ints."""
+  widths = _check_widths('trunk_widths', widths)
+  if len(widths) != 4:
+    raise ValueError(f'trunk_widths needs 4 entries, got {widths!r}.')
+  return layers.SuTrunk(input_channels, widths, kernel_init=kernel_init,
+                        rngs=rngs)
 
 
 class TwoDigitBaseline(nnx.Module):
@@ -665,8 +645,7 @@ class TwoDigitBaseline(nnx.Module):
     _check_positive_int('hidden_width', hidden_width)
     init = _kernel_init(kernel_init)
     self.input_channels = input_channels
-    self.trunk = _SuTrunk(input_channels, trunk_widths, kernel_init=init,
-                          rngs=rngs)
+    self.trunk = _su_trunk(input_channels, trunk_widths, init, rngs)
     self.head = _MLP(trunk_widths[-1], (hidden_width, num_classes),
                      kernel_init=init, rngs=rngs)
 
@@ -710,8 +689,8 @@ class TwoDigitCapsNet(nnx.Module):
                         ('capsule_dim', capsule_dim)):
       _check_positive_int(name, value)
     self.input_channels = input_channels
-    self.trunk = _SuTrunk(input_channels, trunk_widths,
-                          kernel_init=_kernel_init(kernel_init), rngs=rngs)
+    self.trunk = _su_trunk(input_channels, trunk_widths,
+                           _kernel_init(kernel_init), rngs)
     self.capsules = layers.SharedCapsules(
         trunk_widths[-1], num_classes, capsule_dim, num_iterations,
         accumulate=accumulate, leaky=leaky, squash_constant=squash_constant,

@@ -202,31 +202,16 @@ def _lengths(capsules: jax.Array) -> jax.Array:
 # The backbone.
 
 
-class Stem(nnx.Module):
-  """Su's trunk (``models._SuTrunk``): conv 3x3 ReLU, conv 3x3 ReLU, 2x2
-  average pool (floor), conv 3x3 ReLU, conv 3x3 ReLU, VALID padding; the
-  kernels He-normal (module docstring), the biases zeros.
-
-  [B, H, W, Cin] -> [B, (H-4)//2 - 4, (W-4)//2 - 4, widths[-1]], H, W >= 14.
-  """
-
-  def __init__(self, in_channels: int, widths: Sequence[int], *,
-               implementation: str | None = None, rngs: nnx.Rngs):
-    if (isinstance(widths, int) or not isinstance(widths, Sequence)
-        or len(widths) != 4):
-      raise ValueError(f'stem_widths must be 4 positive ints, got {widths!r}.')
-    sizes = (in_channels,) + tuple(widths)
-    self.convs = nnx.List([
-        layers.Conv2D(a, b, 3, kernel_init=nn.he_normal,
-                      implementation=implementation, rngs=rngs)
-        for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    for i, conv in enumerate(self.convs):
-      x = jax.nn.relu(conv(x))
-      if i == 1:
-        x = nn.average_pool_2x2(x)
-    return x
+def _stem(in_channels: int, widths, *, implementation: str | None,
+          rngs: nnx.Rngs) -> layers.SuTrunk:
+  """Su's trunk (``layers.SuTrunk``), its kernels He-normal (module
+  docstring), the biases zeros: [B, H, W, Cin] -> [B, (H-4)//2 - 4,
+  (W-4)//2 - 4, widths[-1]], H, W >= 14."""
+  if (isinstance(widths, int) or not isinstance(widths, Sequence)
+      or len(widths) != 4):
+    raise ValueError(f'stem_widths must be 4 positive ints, got {widths!r}.')
+  return layers.SuTrunk(in_channels, tuple(widths), kernel_init=nn.he_normal,
+                        implementation=implementation, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------
@@ -461,8 +446,8 @@ class RoutingStudyNet(nnx.Module):
     implementations.check(implementation)
     conv = implementations.for_op(implementation, 'conv2d')
     self.head_name, self.input_channels = head, input_channels
-    self.stem = Stem(input_channels, stem_widths, implementation=conv,
-                     rngs=rngs)
+    self.stem = _stem(input_channels, stem_widths, implementation=conv,
+                      rngs=rngs)
     width = tuple(stem_widths)[-1]
     if head in POSE_HEADS:
       self.primary = layers.MatrixPrimaryCapsules(width, primary_types,

@@ -1,6 +1,7 @@
 """Flax NNX capsule layers: they own parameters and call the pure functions.
 
-- ``common``: convolution, batch normalisation, checks and initialisers;
+- ``common``: convolution, batch normalisation, Su's convolutional trunk,
+  checks and initialisers;
 - ``vector``: primary, dense and shared capsules with dynamic routing;
 - ``efficient``: Efficient-CapsNet's primary capsules and self-attention
   routing;
@@ -51,6 +52,7 @@ from capsjax.layers.common import OFFICIAL_CONV1_STD
 from capsjax.layers.common import OFFICIAL_WEIGHT_STD
 from capsjax.layers.common import BatchNorm
 from capsjax.layers.common import Conv2D
+from capsjax.layers.common import SuTrunk
 from capsjax.layers.common import check_positive_int
 from capsjax.layers.efficient import DepthwisePrimaryCapsules
 from capsjax.layers.efficient import SelfAttentionCapsules
@@ -84,6 +86,7 @@ __all__ = (
     'SelfAttentionCapsules',
     'SelfRoutingCapsules',
     'SharedCapsules',
+    'SuTrunk',
     'authors_transform_init',
     'check_positive_int',
 )

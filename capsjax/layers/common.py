@@ -117,3 +117,33 @@ class BatchNorm(nnx.Module):
     if train:
       self.mean[...], self.var[...] = mean, var
     return y
+
+
+class SuTrunk(nnx.Module):
+  """Su's shared trunk, Keras defaults (VALID padding, 2x2 average pool).
+
+  Conv 3x3 ReLU, conv 3x3 ReLU, average pool 2x2 (floor), conv 3x3 ReLU,
+  conv 3x3 ReLU, of ``widths`` (4 positive ints, checked by the caller,
+  which names them): [B, H, W, C] -> [B, (H-4)//2 - 4, (W-4)//2 - 4,
+  widths[-1]] (28x28 -> 8x8, 56x28 -> 22x8). Inputs need H, W >= 14: each
+  output position sees a 14x14 window of the input, at stride 2.
+  """
+
+  def __init__(self, in_channels: int, widths: tuple[int, ...], *,
+               kernel_init=nn.glorot_uniform,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    sizes = (in_channels,) + tuple(widths)
+    self.convs = nnx.List([
+        Conv2D(a, b, 3, kernel_init=kernel_init,
+               implementation=implementation, rngs=rngs)
+        for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if min(x.shape[1:3]) < 14:
+      raise ValueError(
+          f'images must be at least 14x14 for this trunk, got {x.shape}.')
+    for i, conv in enumerate(self.convs):
+      x = jax.nn.relu(conv(x))
+      if i == 1:
+        x = nn.average_pool_2x2(x)
+    return x
