@@ -533,17 +533,7 @@ def op_counts(text: str) -> dict[str, Any]:
   loops, calls, custom calls, products, and the ops per op name."""
   counts = collections.Counter()
   main_ops = all_ops = 0
-  function = ''
-  for line in text.splitlines():
-    match = _FUNC.search(line)
-    if match:
-      function = match.group(1)
-      continue
-    match = re.match(r'^\s*(?:%[\w]+(?::\d+)? = )?"?((?:stablehlo|func|chlo|'
-                     r'mhlo|tt)\.[\w.]+)', line)
-    if not match or match.group(1) in ('func.return', 'stablehlo.return'):
-      continue
-    op = match.group(1)
+  for function, op, _ in _op_lines(text):
     all_ops += 1
     main_ops += function == 'main'
     counts[op] += 1
