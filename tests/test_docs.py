@@ -58,9 +58,11 @@ def test_the_documentation_builds_with_warnings_as_errors(tmp_path):
   assert notebook.count('<img') >= 3
 
 
+@pytest.mark.slow
 def test_a_broken_reference_fails_the_build(tmp_path):
   """The strictness is real: a page naming a function that does not exist
-  fails the same build."""
+  fails the same build (the slow tier: it checks the build command, which
+  changes rarely; the build itself runs in the unit tier)."""
   _needs_sphinx()
   docs = tmp_path / 'docs'
   docs.mkdir()

@@ -36,8 +36,10 @@ and compilations. A worker that dies or hangs fails the case it was running,
 named by its shape; a new worker runs the rest, and every failing case is
 reported at the end. CAPSJAX_FUZZ_CASES=n runs n convolution cases and
 n // 3 EM cases instead of the default 40 and 12; CAPSJAX_FUZZ_DRAW picks
-another reproducible stream of cases. The unit tier runs the first half of
-each stream (the pinned shapes among them), the slow tier the second.
+another reproducible stream of cases. The unit tier runs the head of each
+stream (a quarter of the convolutions, the pinned shapes and every mode
+among them; a third of the EM cases, the degenerate inputs among them),
+the slow tier the rest.
 """
 
 import json
@@ -331,20 +333,30 @@ def _assert_all_pass(results, what):
 # Tests.
 
 
-# The first half of each stream in the unit tier, the second in the slow.
-HALVES = unit_tier_keeps(['first', 'second'], 'first')
+# The head of each stream in the unit tier, the rest in the slow tier.
+PARTS = unit_tier_keeps(['head', 'rest'], 'head')
 
 
-def _half(cases: list[dict], half: str) -> list[dict]:
-  middle = (len(cases) + 1) // 2
-  return cases[:middle] if half == 'first' else cases[middle:]
+def _part(cases: list[dict], part: str, head: int) -> list[dict]:
+  return cases[:head] if part == 'head' else cases[head:]
 
 
-@pytest.mark.parametrize('half', HALVES)
-def test_conv_cases_match_float64(half):
+def _conv_part(part: str) -> list[dict]:
   count, _ = _case_counts()
+  # A quarter: the 7 pinned corners and each mode twice (of 40).
+  return _part(conv_cases(count, _stream()), part, max(1, count // 4))
+
+
+def _em_part(part: str) -> list[dict]:
+  _, count = _case_counts()
+  # A third: the 4 degenerate inputs (of 12).
+  return _part(em_cases(count, _stream()), part, max(1, count // 3))
+
+
+@pytest.mark.parametrize('part', PARTS)
+def test_conv_cases_match_float64(part):
   start = time.perf_counter()
-  results = run_cases(_half(conv_cases(count, _stream()), half))
+  results = run_cases(_conv_part(part))
   print(f'{len(results)} convolution cases in '
         f'{time.perf_counter() - start:.1f} s')
   _assert_all_pass(results, 'convolution')
@@ -352,13 +364,11 @@ def test_conv_cases_match_float64(half):
 
 @pytest.mark.skipif(not onednn.available(),
                     reason=f'oneDNN is {onednn.status()}')
-@pytest.mark.parametrize('half', HALVES)
-def test_conv_cases_match_float64_with_onednn_held_to_avx2(half):
-  count, _ = _case_counts()
+@pytest.mark.parametrize('part', PARTS)
+def test_conv_cases_match_float64_with_onednn_held_to_avx2(part):
   start = time.perf_counter()
   # Read by oneDNN when it loads: it has to be in the worker's environment.
-  results = run_cases(_half(conv_cases(count, _stream()), half),
-                      {'ONEDNN_MAX_CPU_ISA': 'AVX2'})
+  results = run_cases(_conv_part(part), {'ONEDNN_MAX_CPU_ISA': 'AVX2'})
   print(f'{len(results)} convolution cases (AVX2) in '
         f'{time.perf_counter() - start:.1f} s')
   _assert_all_pass(results, 'convolution (oneDNN held to AVX2)')
@@ -366,11 +376,10 @@ def test_conv_cases_match_float64_with_onednn_held_to_avx2(half):
 
 @pytest.mark.skipif(not em_cpu.available(),
                     reason=f'EM kernel {em_cpu.status()}')
-@pytest.mark.parametrize('half', HALVES)
-def test_em_kernel_cases_match_xla(half):
-  _, count = _case_counts()
+@pytest.mark.parametrize('part', PARTS)
+def test_em_kernel_cases_match_xla(part):
   start = time.perf_counter()
-  results = run_cases(_half(em_cases(count, _stream()), half))
+  results = run_cases(_em_part(part))
   print(f'{len(results)} EM cases in {time.perf_counter() - start:.1f} s')
   _assert_all_pass(results, 'EM routing')
 
