@@ -18,6 +18,7 @@ from capsjax import figures
 from capsjax import models
 from capsjax.training import vector_capsules
 from tests import conftest
+from tests.conftest import unit_tier_keeps
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
 
@@ -246,8 +247,11 @@ def test_routing_pictures_cli(capsnet_workdir):
   _check_png(path)
 
 
-@pytest.mark.parametrize('module', ['experiments.capsnet_figures',
-                                    'experiments.routing_pictures'])
+# One path in the launcher for both commands (the other one's in the slow
+# tier).
+@pytest.mark.parametrize('module', unit_tier_keeps(
+    ['experiments.capsnet_figures', 'experiments.routing_pictures'],
+    'experiments.capsnet_figures'))
 def test_cli_missing_workdir_is_a_clean_error(module, tmp_path):
   result = _run(module, f'--workdir={tmp_path / "nothing"}')
   output = result.stdout + result.stderr

@@ -8,6 +8,7 @@ slow test at the bottom.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -177,8 +178,6 @@ def _command(*args, env=None):
     (['--workdir=W', '--bogus'], 'Unknown command line flag'),
     (['--max_seconds=1'], '--workdir is required'),
     (['--workdir=W', '--only=capsnet_*'], '--only=capsnet_* matches no run'),
-    (['--workdir=W', '--config.heads=("dynamic_2",)'],
-     'config.heads must name heads'),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, message):
   args = [arg.replace('=W', f'={tmp_path / "w"}') for arg in args]
@@ -187,6 +186,24 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, message):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and message in lines[0], result.stderr
   assert not (tmp_path / 'w' / 'reproduction.json').exists()
+
+
+@pytest.mark.parametrize('key,value,message', [
+    ('heads', ('dynamic_2',), 'config.heads must name heads'),
+    ('heads', (), 'config.heads must name heads'),
+    ('num_seeds', 0, 'config.num_seeds must be a positive int, got 0'),
+    ('num_seeds', True, 'config.num_seeds must be a positive int, got True'),
+    ('datasets', ('cifar10',), 'config.datasets must name datasets'),
+    ('cost_steps', 0, 'config.cost_steps must be >= 1, got 0'),
+])
+def test_a_bad_study_config_names_its_key(key, value, message):
+  # The command turns this ValueError into one line and exit 2 as it does
+  # --only's above.
+  config = routing_study.get_config()
+  study_lib.check_study(config)
+  config[key] = value
+  with pytest.raises(ValueError, match=re.escape(message)):
+    study_lib.check_study(config)
 
 
 @pytest.mark.slow

@@ -605,23 +605,43 @@ def test_bfloat16_training_follows_float32_training(tmp_path, tiny_mnist):
       flat['32'] - flat['0'])
 
 
-@pytest.mark.parametrize('override,message', [
-    ('--config.model_options.num_iterations=0', 'num_iterations must be a '
-     'positive int'),
-    ('--config.model_options.conv1_channels=-8', 'conv1_channels must be a '
-     'positive int, got -8'),
-    ('--config.log_every_steps=0', 'config.log_every_steps must be a '
-     'positive int, got 0'),
-])
-def test_bad_config_value_is_one_error_line_and_exit_2(tmp_path, tiny_mnist,
-                                                       override, message):
+_BAD_VALUES = [
+    ('model_options.num_iterations', 0, 'num_iterations must be a positive '
+     'int'),
+    ('model_options.conv1_channels', -8, 'conv1_channels must be a positive '
+     'int, got -8'),
+    ('log_every_steps', 0, 'config.log_every_steps must be a positive int, '
+     'got 0'),
+]
+
+
+def test_bad_config_value_is_one_error_line_and_exit_2(tmp_path, tiny_mnist):
+  """From the command line, one of the values below: the launcher turns the
+  ValueError into one line (each value's message: the test below)."""
+  key, value, message = _BAD_VALUES[1]
   config = os.path.join(REPO, 'experiments/configs/capsnet_mnist.py:smoke')
-  proc = _launch(tmp_path / 'w', config, *tiny_flags(tiny_mnist), override)
+  proc = _launch(tmp_path / 'w', config, *tiny_flags(tiny_mnist),
+                 f'--config.{key}={value}')
   out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 2, out
   errors = [line for line in out.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and message in errors[0], out
   assert 'Traceback' not in out
+
+
+@pytest.mark.parametrize('key,value,message', _BAD_VALUES)
+def test_bad_config_value_is_refused_before_training(tmp_path, tiny_mnist, key,
+                                                     value, message):
+  config = tiny_config(tiny_mnist)
+  with config.unlocked():
+    if key.startswith('model_options.'):
+      config.model_options[key.split('.')[1]] = value
+    else:
+      config[key] = value
+  workdir = tmp_path / 'w'
+  with pytest.raises(ValueError, match=re.escape(message)):
+    training.train(config, str(workdir))
+  assert not (workdir / 'checkpoints').exists()
 
 
 _FULL_DISK_DRIVER = r'''
