@@ -18,9 +18,9 @@ from capsjax import figures
 from capsjax import models
 from capsjax.training import vector_capsules
 from tests import conftest
-from tests.conftest import unit_tier_keeps
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
+from tests.conftest import unit_tier_keeps
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
