@@ -55,19 +55,31 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:coroutine '.*' was never awaited:RuntimeWarning")
 
 
-@pytest.fixture(autouse=True)
-def _collect_abandoned_reads():
-  """Collects those coroutines after each test, as quietly as the library's
-  hook does in a run, rather than noisily whenever the interpreter does."""
-  yield
+@pytest.fixture(scope='module', autouse=True)
+def _quiet_abandoned_reads():
+  """While this module's tests run, the coroutines a failed restore abandons
+  are collected as quietly as the library's hook does in a run (rather than
+  noisily whenever the interpreter collects); at its end, all of them."""
   hook = sys.unraisablehook
   sys.unraisablehook = checkpoints._drop_closed_loop_errors(hook)
   try:
+    yield
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', RuntimeWarning)
       gc.collect()
   finally:
     sys.unraisablehook = hook
+
+
+@pytest.fixture(autouse=True)
+def _collect_abandoned_reads():
+  """After each test, the young generations, where its abandoned reads are:
+  a full collection takes about a second with the compiled programs the
+  process holds; the module's end collects what grew older."""
+  yield
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)
+    gc.collect(1)
 
 
 def damage(path, kind: str) -> None:
