@@ -14,6 +14,7 @@ import functools
 import types
 from typing import Any
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -103,8 +104,10 @@ def context_of(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef,
   first use; ``workdir`` is where evaluators write their files."""
   trainer = family(config)
   steps = trainer.steps_for(config, make_optimizer(config))
+  # Compiled once, as the training loop's (run op by op, each batch cost
+  # one dispatch per operation).
   evaluate_split = functools.partial(
-      evaluate, functools.partial(steps.eval_step, graphdef), state,
+      evaluate, jax.jit(functools.partial(steps.eval_step, graphdef)), state,
       batch_size=config.eval_batch_size, mesh=make_mesh(1))
   return evaluators.Context(
       model=nnx.merge(graphdef, state.params, state.model_state),
