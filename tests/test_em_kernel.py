@@ -102,7 +102,9 @@ def test_kernel_gradients_equal_autodiff_of_em_routing(name):
     argnums = tuple(range(6))
     got = jax.jit(jax.grad(_routing_outputs_loss(kernel, cotangents),
                            argnums))(*inputs)
-    want = jax.grad(_routing_outputs_loss(xla, cotangents), argnums)(*inputs)
+    # Jitted too: one compilation, not one per operation of the routing.
+    want = jax.jit(jax.grad(_routing_outputs_loss(xla, cotangents),
+                            argnums))(*inputs)
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-8,
                                atol=1e-11)
@@ -127,8 +129,9 @@ def test_float32_kernel_is_float64_to_float32_precision():
     out_poses, out_acts, _ = em_cpu.route_windows(*x, 3)
     return jnp.sum(out_poses * cotangent) + jnp.sum(out_acts)
 
+  # Jitted: one compilation, not one per operation.
   with jax.enable_x64(True):
-    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(*inputs)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*inputs)
   got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
       *(np.asarray(x, np.float32) for x in inputs))
   # float32 sums over 72 children and 3 iterations: measured <= 2e-6
@@ -194,7 +197,8 @@ def test_bfloat16_conv_capsules_route_in_float32_by_the_kernel():
   assert 'EmConvRoutingForward' in route.lower(poses, acts,
                                                *params).as_text()
   half = route(poses, acts, *params)
-  upcast = route(*(x.astype(jnp.float32) for x in (poses, acts, *params)))
+  # Upcast by NumPy (exact): no conversion program per input shape.
+  upcast = route(*(np.asarray(x, np.float32) for x in (poses, acts, *params)))
   assert [x.dtype for x in half] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
   for h, u in zip(half, upcast, strict=True):
     np.testing.assert_array_equal(np.asarray(h),
@@ -267,13 +271,14 @@ def test_gradients_are_the_same_bit_for_bit_on_every_call():
 def test_vmap_equals_a_loop():
   poses, acts, weights, beta_u, beta_a = em_window_inputs(10, dtype=np.float32)
   stacked = np.stack([poses, poses[::-1]])
-  batched = jax.vmap(lambda p: em_cpu.route_windows(
-      p, acts, weights, beta_u, beta_a, 2))(stacked)
+  # One jitted function for the batch and the loop: two compilations.
+  route = jax.jit(lambda p: em_cpu.route_windows(
+      p, acts, weights, beta_u, beta_a, 2))
+  batched = jax.vmap(route)(stacked)
   for k in range(2):
-    single = em_cpu.route_windows(stacked[k], acts, weights, beta_u,
-                                     beta_a, 2)
+    single = route(stacked[k])
     for b, s in zip(batched, single, strict=True):
-      np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(s))
+      np.testing.assert_array_equal(np.asarray(b)[k], np.asarray(s))
 
 
 def test_bad_arguments_raise_value_error():

@@ -33,6 +33,10 @@ _NUM_TEST = 40
 # copies, which a count that ignored the mask would include.
 _EVAL_BATCH = 16
 
+# A model's test-time outputs, jitted: one compilation, not one per
+# operation.
+_outputs = nnx.jit(lambda model, images: model(images, train=False))
+
 
 def _config(data_dir, **overrides):
   config = capsnet_mnist.get_config('smoke')
@@ -82,7 +86,7 @@ def test_reported_test_numbers_are_a_direct_count_on_the_selected_model(
   # The test numbers are those of that checkpoint, over all 40 images.
   model = training.load_trained_model(workdir, 'best')
   images = test.images.astype(np.float32) / 255.0
-  outputs = jax.device_get(model(images, train=False))
+  outputs = jax.device_get(_outputs(model, images))
   lengths = np.asarray(outputs['class_scores'], np.float64)
   accuracy = np.mean(np.argmax(lengths, -1) == test.labels)
   reconstruction = np.sum((np.asarray(outputs['reconstructions'], np.float64)
@@ -112,7 +116,7 @@ def test_attacks_at_epsilon_zero_are_the_clean_accuracy(trained):
   context = training.load_context(workdir)
   row = adversarial_evaluator.evaluate(context, epsilons=(0.0, 0.3), num_examples=20,
                          bim_steps=2, bim_step_size=0.2, batch_size=20)
-  lengths = context.model(test.images[:20] / 255.0, train=False)['class_scores']
+  lengths = _outputs(context.model, test.images[:20] / 255.0)['class_scores']
   clean = np.mean(np.argmax(lengths, -1) == test.labels[:20])
   assert row['clean_accuracy'] == pytest.approx(clean)
   assert row['fgsm'][0] == row['bim'][0] == row['clean_accuracy']
@@ -136,7 +140,7 @@ def test_two_digit_transfer_counts_both_classes_of_each_pair(tmp_path):
     # Direct: the pairs of seed 3, both classes among the two top scores.
     pairs = data_lib.digit_pairs(test.images, test.labels, 3, layout)
     images = pairs['image'][:25].astype(np.float32) / 255.0
-    scores = np.asarray(model(images, train=False)['class_scores'])
+    scores = np.asarray(_outputs(model, images)['class_scores'])
     right = conftest.np_both_in_top2(scores, pairs['labels'][:25])
     second = np.sort(scores, -1)[:, -2]
     assert result['num_pairs'] == 25 and result['layout'] == layout

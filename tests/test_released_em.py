@@ -10,6 +10,7 @@ along random directions (exact to rounding, no finite-difference error).
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -308,7 +309,8 @@ def test_released_conv_assignments_sum_to_the_number_of_parent_types():
   """A child covered by windows gets about one unit per parent type."""
   rng = np.random.default_rng(0)
   normalize = votes_lib.released_conv_normalizer(3, 3, 3, 1, 2)
-  log_r = np.asarray(normalize(rng.standard_normal((1, 3, 3, 18, 4))))
+  # Jitted: one compilation, not one per operation.
+  log_r = np.asarray(jax.jit(normalize)(rng.standard_normal((1, 3, 3, 18, 4))))
   r = np.exp(log_r).reshape(1, 3, 3, 3, 3, 2, 4)
   # The centre child (2, 2) of a 5x5 grid is covered by all 9 windows.
   total = sum(r[0, h, w, 2 - h, 2 - w] for h in range(3) for w in range(3))
@@ -321,12 +323,12 @@ def test_released_preset_differs_from_the_paper_form():
   acts = rng.uniform(0.05, 0.95, (2, 8)).astype(np.float32)
   betas = np.full(5, 0.5, np.float32)
   lambdas = _lambdas(3)
-  released = routing.em_routing(wx, acts, betas, betas, 3,
-                                inverse_temperature=lambdas,
-                                em_routing=routing.RELEASED_EM)
-  plain = routing.em_routing(
-      wx, acts, betas, betas, 3, inverse_temperature=lambdas,
-      em_routing=routing.AUTHORS_EM)
+  # Jitted: one compilation per form, not one per operation.
+  route = jax.jit(functools.partial(routing.em_routing, num_iterations=3,
+                                    inverse_temperature=lambdas),
+                  static_argnames='em_routing')
+  released = route(wx, acts, betas, betas, em_routing=routing.RELEASED_EM)
+  plain = route(wx, acts, betas, betas, em_routing=routing.AUTHORS_EM)
   assert routing.AUTHORS_EM == dataclasses.replace(routing.RELEASED_EM,
                                                    released=False)
   assert np.max(np.abs(np.asarray(released[0]) - np.asarray(plain[0]))) > 1e-6
@@ -374,8 +376,10 @@ def test_released_coordinates_put_the_column_on_entry_zero():
   votes = np.zeros((1, 3, 4, 1, 1, 16))
   rows = np.array([0.1, 0.2, 0.3])
   cols = np.array([1.0, 2.0, 3.0, 4.0])
-  out = np.asarray(votes_lib.coordinate_addition(votes, rows, cols,
-                                                 order='col_row'))
+  # Jitted: one compilation per order, not one per operation.
+  coordinate_addition = jax.jit(votes_lib.coordinate_addition,
+                                static_argnames='order')
+  out = np.asarray(coordinate_addition(votes, rows, cols, order='col_row'))
   np.testing.assert_allclose(out[0, :, :, 0, 0, 0], np.tile(cols, (3, 1)))
   np.testing.assert_allclose(out[0, :, :, 0, 0, 1],
                              np.tile(rows[:, None], (1, 4)))
@@ -384,7 +388,7 @@ def test_released_coordinates_put_the_column_on_entry_zero():
   grid = _conv_pos_reference(3, 4)
   np.testing.assert_allclose(grid[..., 0], np.tile((np.arange(4) - 2) / 100,
                                                    (3, 1)))
-  default = np.asarray(votes_lib.coordinate_addition(votes, rows, cols))
+  default = np.asarray(coordinate_addition(votes, rows, cols))
   np.testing.assert_allclose(default[0, :, :, 0, 0, 0],
                              np.tile(rows[:, None], (1, 4)))
 
@@ -412,6 +416,10 @@ def _primary_caps_reference(x, kernel, types, form):
   return poses, np.transpose(activation[:, :, 0], (0, 2, 3, 1))
 
 
+# A layer's call, jitted: one compilation, not one per operation.
+_call = nnx.jit(lambda layer, x: layer(x))
+
+
 @pytest.mark.parametrize('form', ['released', 'released_2019'])
 def test_released_primary_capsules(form):
   """primary_caps: one 1x1 kernel, sigmoid(logit - 1), no biases, its
@@ -431,7 +439,7 @@ def test_released_primary_capsules(form):
   want_poses, want_acts = _primary_caps_reference(x, kernel, types, form)
   with jax.enable_x64(True):
     layer.kernel.set_value(jnp.asarray(kernel))
-    poses, acts = layer(jnp.asarray(x))
+    poses, acts = _call(layer, jnp.asarray(x))
     assert poses.dtype == acts.dtype == jnp.float64
   np.testing.assert_allclose(np.asarray(poses), want_poses, rtol=1e-12,
                              atol=1e-12)
@@ -459,8 +467,8 @@ def test_primary_forms_read_the_kernel_columns():
     with jax.enable_x64(True):
       # Column j holds j / 100 (small enough that the sigmoid inverts).
       layer.kernel.set_value(
-          jnp.arange(types * 17, dtype=jnp.float64)[None] / 100)
-      poses, acts = layer(jnp.asarray(x))
+          jnp.asarray(np.arange(types * 17, dtype=np.float64)[None] / 100))
+      poses, acts = _call(layer, jnp.asarray(x))
     logits = np.log(np.asarray(acts) / (1 - np.asarray(acts))) + 1
     np.testing.assert_allclose(logits[0, 0, 0] * 100, logit_columns,
                                atol=1e-9)
@@ -502,13 +510,21 @@ def test_released_coordinate_form_adds_the_authors_pixel_centres(
   em_routing = routing.em_routing
 
   def spy(votes, *args, **kwargs):
-    seen.append(np.asarray(votes))
+    seen.append(votes)
     return em_routing(votes, *args, **kwargs)
 
   monkeypatch.setattr(routing.em, 'em_routing', spy)
-  model(np.random.default_rng(0).uniform(size=(2, 32, 40, 1)).astype(
-      np.float32))
-  votes = seen[-1].reshape(2, 4, 6, 2, 3, 16)  # rows, cols, types, classes
+
+  # Jitted (one compilation, not one per operation): the class layer's
+  # votes, the last routed, come out of the compiled forward.
+  def class_votes(model, images):
+    model(images)
+    return seen[-1]
+
+  votes = np.asarray(nnx.jit(class_votes)(
+      model, np.random.default_rng(0).uniform(size=(2, 32, 40, 1)).astype(
+          np.float32)))
+  votes = votes.reshape(2, 4, 6, 2, 3, 16)  # rows, cols, types, classes
   want = _conv_pos_reference(32, 40)
   for kernel_size, stride in ((5, 2), (3, 2), (3, 1)):
     want = _mean_pool_reference(want, kernel_size, stride)

@@ -109,6 +109,12 @@ def adam_reference(grads_per_step, lr, decay_steps, decay_rate, clip=None,
 # ----------------------------------------------------------------------------
 # Losses.
 
+# Jitted, one function for every call: one compilation per shape and
+# reduction, not one per operation.
+_spread_loss = jax.jit(losses.spread_loss, static_argnames='class_reduction')
+_mean_spread_loss = jax.jit(lambda *args, **kwargs: jnp.mean(
+    losses.spread_loss(*args, **kwargs)), static_argnames='class_reduction')
+
 
 def test_spread_loss_class_reduction_by_hand():
   a = np.array([[0.9, 0.5, 0.2], [0.1, 0.8, 0.7]])
@@ -117,10 +123,10 @@ def test_spread_loss_class_reduction_by_hand():
   # class 0 is past it, class 1: (0.5 + 0.1)^2.
   total = np.array([0.01, 0.36])
   with jax.enable_x64(True):
-    np.testing.assert_allclose(losses.spread_loss(a, labels, 0.5), total,
+    np.testing.assert_allclose(_spread_loss(a, labels, 0.5), total,
                                rtol=1e-12)
     np.testing.assert_allclose(
-        losses.spread_loss(a, labels, 0.5, class_reduction='mean'), total / 3,
+        _spread_loss(a, labels, 0.5, class_reduction='mean'), total / 3,
         rtol=1e-12)
   with pytest.raises(ValueError, match='class_reduction'):
     losses.spread_loss(a, labels, 0.5, class_reduction='max')
@@ -134,10 +140,9 @@ def test_spread_loss_mean_is_the_released_batch_loss(num_classes):
   for margin in (0.2, 0.55, 0.99):
     expected = released_spread_batch_loss(a, labels, margin)
     with jax.enable_x64(True):
-      mean = jnp.mean(losses.spread_loss(a, labels, margin,
-                                         class_reduction='mean'))
+      mean = _mean_spread_loss(a, labels, margin, class_reduction='mean')
       # capsjax's sum is K times it: 5x on smallNORB, 10x on MNIST.
-      total = jnp.mean(losses.spread_loss(a, labels, margin))
+      total = _mean_spread_loss(a, labels, margin)
     np.testing.assert_allclose(mean, expected, rtol=1e-12)
     np.testing.assert_allclose(total, num_classes * expected, rtol=1e-12)
 
@@ -148,10 +153,14 @@ def test_em_loss_reads_the_class_reduction():
   config = matrix_capsnet_smallnorb.get_config('')
   config.margin_schedule, config.margin_steps = 'linear', 10
   expected = released_spread_batch_loss(a, labels, 0.9)  # step 10: m = 0.9
-  got = _em_loss(a, labels, np.int32(10), config)
+  # Jitted, traced anew for each config: one compilation per reduction, not
+  # one per operation.
+  got = jax.jit(functools.partial(_em_loss, config=config))(
+      a, labels, np.int32(10))
   np.testing.assert_allclose(got, 5 * expected, rtol=1e-6)
   config.spread_class_reduction = 'mean'
-  got = _em_loss(a, labels, np.int32(10), config)
+  got = jax.jit(functools.partial(_em_loss, config=config))(
+      a, labels, np.int32(10))
   np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -159,11 +168,12 @@ def test_l2_penalty_forms_by_hand():
   params = {'w': jnp.array([[1.0, 2.0], [3.0, 4.0]]),
             'kernel': jnp.array([[[0.5]]]),
             'bias': jnp.array([5.0, 6.0])}  # one dimension: exempt
-  assert float(matrix_capsules.l2_penalty(params)) == pytest.approx(30.25)
-  assert float(matrix_capsules.l2_penalty(params, form='half')) == pytest.approx(15.125)
+  # Jitted: one compilation per form, not one per operation.
+  l2_penalty = jax.jit(matrix_capsules.l2_penalty, static_argnames='form')
+  assert float(l2_penalty(params)) == pytest.approx(30.25)
+  assert float(l2_penalty(params, form='half')) == pytest.approx(15.125)
   expected = tf_l2_loss(params['w']) + tf_l2_loss(params['kernel'])
-  assert float(matrix_capsules.l2_penalty(params, form='half')) == (
-      pytest.approx(expected))
+  assert float(l2_penalty(params, form='half')) == pytest.approx(expected)
   with pytest.raises(ValueError, match="'sum' or 'half'"):
     matrix_capsules.l2_penalty(params, form='mean')
 
@@ -195,10 +205,12 @@ def test_make_optimizer_clips_before_adam():
   got = {}
   for clip in (0.0, 200.0):
     optimizer = matrix_capsules.make_optimizer(_optimizer_config(clip))
+    # Jitted: one compilation per optimizer, not one per operation.
+    update_fn = jax.jit(optimizer.update)
     state = optimizer.init(params)
     got[clip] = []
     for g in steps:
-      update, state = optimizer.update(jnp.asarray(g), state, params)
+      update, state = update_fn(jnp.asarray(g), state, params)
       got[clip].append(np.asarray(update))
   for clip, reference in ((200.0, 200.0), (0.0, None)):
     expected = adam_reference(steps, 0.01, 2, 0.96, clip=reference)
@@ -288,19 +300,25 @@ def _two_channel_images():
   return images.astype(np.uint8)
 
 
+# Jitted, one function for both tests: one compilation per shape and
+# options, not one per operation.
+_distort = jax.jit(norb.smallnorb_distort,
+                   static_argnames=('crop_size', 'order', 'pixel_max'))
+
+
 def test_released_order_equals_the_reference_for_fixed_draws():
   images = _two_channel_images()
   offsets = np.array([[0, 16], [8, 8], [5, 11]])
   delta = np.array([40.0, -63.0, 12.5])  # in 0-255
   factor = np.array([0.3, 1.8, 1.0])
-  out = np.asarray(norb.smallnorb_distort(
+  out = np.asarray(_distort(
       images, offsets, delta / 255, factor, order='released', pixel_max=255.0))
   assert out.shape == (3, 32, 32, 2)
   for b in range(3):
     expected = released_distort(images[b], *offsets[b], delta[b], factor[b])
     np.testing.assert_allclose(out[b], expected, atol=2e-5)
   # Cropping first takes the channel means of the crop: another result.
-  crop_first = np.asarray(norb.smallnorb_distort(
+  crop_first = np.asarray(_distort(
       images, offsets, delta / 255, factor, order='crop_first',
       pixel_max=255.0))
   for b in (0, 1):
@@ -320,8 +338,8 @@ def test_pixel_max_moves_the_standardisation_floor():
   draws = (np.full((1, 2), 8), np.zeros(1), np.ones(1))
   out = {}
   for pixel_max in (1.0, 255.0):
-    out[pixel_max] = np.asarray(norb.smallnorb_distort(
-        image, *draws, pixel_max=pixel_max))[0]
+    out[pixel_max] = np.asarray(_distort(image, *draws,
+                                         pixel_max=pixel_max))[0]
     x = image[0, 8:40, 8:40] * (pixel_max / 255)
     # float32 sums of 2048 equal-ish values: 1e-3 of the unit std.
     np.testing.assert_allclose(out[pixel_max], per_image_standardization(x),
@@ -397,10 +415,12 @@ def test_combining_crops_by_hand():
   # class 1 wins (0.75, 0.944, 0.306), where the raw sum picks class 0.
   a = np.array([[[0.9, 0.8, 0.1]], [[0.05, 0.1, 0.05]]])
   silent = np.concatenate([a, np.zeros((1, 1, 3))])
+  # Jitted: one compilation per shape, not one per operation.
+  combine = jax.jit(norb.combine_crop_activations)
   with jax.enable_x64(True):
-    scores = np.asarray(norb.combine_crop_activations(a))
+    scores = np.asarray(combine(a))
     # A crop with no activation adds nothing rather than NaN.
-    with_silent = np.asarray(norb.combine_crop_activations(silent))
+    with_silent = np.asarray(combine(silent))
   np.testing.assert_allclose(
       scores, [[0.75, 0.5 + 0.8 / 1.8, 0.25 + 0.1 / 1.8]], rtol=1e-12)
   assert scores.argmax() == 1 and a.sum(0).argmax() == 0

@@ -26,6 +26,16 @@ def normal(seed, shape):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+# Jitted, each one function for every call and parametrisation: one
+# compilation per shape, not one per operation.
+_vector_votes = jax.jit(votes.vector_votes)
+_shared_vector_votes = jax.jit(votes.shared_vector_votes)
+_matrix_votes = jax.jit(votes.matrix_votes)
+_conv_capsule_patches = jax.jit(votes.conv_capsule_patches,
+                                static_argnums=(1, 2))
+_coordinate_addition = jax.jit(votes.coordinate_addition)
+
+
 # ----------------------------------------------------------------------------
 # Vote transforms.
 
@@ -46,14 +56,14 @@ def test_vector_votes_matches_loop(batch_shape):
 def test_shared_vector_votes_matches_loop_for_any_input_count(num_in):
   inputs = normal(2, (DIMS.B, num_in, DIMS.N))
   weights = normal(3, DIMS['ONE'])
-  out = votes.shared_vector_votes(inputs, weights)
+  out = np.asarray(_shared_vector_votes(inputs, weights))
   chex.assert_shape(out, (DIMS.B, num_in) + DIMS['OE'])
   for i, j in itertools.product(range(num_in), range(DIMS.O)):
     np.testing.assert_allclose(out[:, i, j], inputs[:, i] @ weights[j],
                                rtol=1e-5, atol=1e-5)
   # The same as vector_votes with W_ij = W_j for every input.
   tiled = np.broadcast_to(weights, (num_in,) + weights.shape)
-  np.testing.assert_allclose(out, votes.vector_votes(inputs, tiled),
+  np.testing.assert_allclose(out, _vector_votes(inputs, tiled),
                              rtol=1e-6, atol=1e-6)
 
 
@@ -72,13 +82,12 @@ def test_matrix_votes_share_transforms_over_positions():
   # poses [B, H*W, C, P, P] with weights [C, O, P, P]: one transform per type.
   poses = normal(6, (DIMS.B, 9, DIMS.C, DIMS.P, DIMS.P))
   weights = normal(7, DIMS['COPP'])
-  out = votes.matrix_votes(poses, weights)
+  out = np.asarray(_matrix_votes(poses, weights))
   chex.assert_shape(out, (DIMS.B, 9) + DIMS['CO'] + (DIMS.P * DIMS.P,))
   ref = np.einsum('bncpq,coqr->bncopr', poses, weights).reshape(out.shape)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   # Position 4 of example 1 equals the unshared call on that capsule alone.
-  np.testing.assert_allclose(out[1, 4], votes.matrix_votes(poses[1, 4],
-                                                           weights),
+  np.testing.assert_allclose(out[1, 4], _matrix_votes(poses[1, 4], weights),
                              rtol=1e-6, atol=1e-6)
 
 
@@ -162,7 +171,7 @@ PATCH_CASES = [(5, 5, 3, 1), (7, 6, 3, 2), (6, 7, 2, 3), (4, 4, 4, 1)]
 @pytest.mark.parametrize('height,width,kernel,stride', PATCH_CASES)
 def test_conv_capsule_patches_matches_loop(height, width, kernel, stride):
   x = normal(8, (DIMS.B, height, width, DIMS.C, 2, 3))
-  out = np.asarray(votes.conv_capsule_patches(x, kernel, stride))
+  out = np.asarray(_conv_capsule_patches(x, kernel, stride))
   out_h = (height - kernel) // stride + 1
   out_w = (width - kernel) // stride + 1
   chex.assert_shape(out, (DIMS.B, out_h, out_w, kernel, kernel, DIMS.C, 2, 3))
@@ -186,7 +195,7 @@ def test_conv_capsule_patches_rejects_bad_shapes():
 def test_coordinate_addition_default_offsets():
   height, width = 2, 3
   base = normal(9, (DIMS.B, height, width) + DIMS['CO'] + (5,))
-  out = np.asarray(votes.coordinate_addition(base))
+  out = np.asarray(_coordinate_addition(base))
   rows = [0.25, 0.75]  # (h + 0.5) / 2
   cols = [1 / 6, 0.5, 5 / 6]  # (w + 0.5) / 3
   expected = base.copy()
@@ -200,7 +209,7 @@ def test_coordinate_addition_default_offsets():
 @pytest.mark.parametrize('batch_shape', [(), (2,), (2, 1)])
 def test_coordinate_addition_custom_offsets(batch_shape):
   zeros = np.zeros(batch_shape + (2, 2, 1, 1, 16), np.float32)
-  out = np.asarray(votes.coordinate_addition(zeros, [0.1, 0.2], [0.3, 0.4]))
+  out = np.asarray(_coordinate_addition(zeros, [0.1, 0.2], [0.3, 0.4]))
   chex.assert_shape(out, zeros.shape)
   np.testing.assert_allclose(out[..., 0, 1, 0, 0, :3], np.broadcast_to(
       [0.1, 0.4, 0.0], batch_shape + (3,)))
@@ -283,8 +292,8 @@ def test_conv_parent_normalizer_is_not_per_window():
   height = width = 5
   kernel, stride, num_out = 3, 1, 2
   log_numerators = normal(11, (1, 3, 3, kernel * kernel * DIMS.C, num_out))
-  log_r = np.asarray(votes.conv_parent_normalizer(
-      height, width, kernel, stride, DIMS.C)(log_numerators))
+  log_r = np.asarray(jax.jit(votes.conv_parent_normalizer(
+      height, width, kernel, stride, DIMS.C))(log_numerators))
   per_window = np.exp(log_r).sum(-1).reshape(3, 3, kernel, kernel, DIMS.C)
   # Child (0, 0) is only in window (0, 0), at tap (0, 0): all of it there.
   np.testing.assert_allclose(per_window[0, 0, 0, 0], 1.0, rtol=1e-5)
