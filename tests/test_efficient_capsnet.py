@@ -5,6 +5,8 @@ The references are float64 NumPy transcriptions of the authors' code
 of OpenCV's warpAffine (before 4.11) and of TF's ScaleAndTranslate.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from capsjax.training import vector_capsules
 from experiments.configs import efficient_capsnet_mnist
 from experiments.configs import own_images
 from tests.helpers import conv_reference
+from tests.helpers import output_and_grads
 
 # Small widths: primary 8 channels -> 2 capsules of 4 at 1x1 (28x28).
 TINY = dict(conv_channels=(4, 4, 4, 8), primary_dim=4, digit_dim=4,
@@ -31,6 +34,11 @@ F64 = dict(rtol=1e-10, atol=1e-12)
 def _abstract(**options):
   return nnx.eval_shape(lambda: models.create_model(
       'efficient_capsnet', rngs=nnx.Rngs(0), **options))
+
+
+# One compiled program for the initialisers, not one per op and shape.
+_tiny_model = nnx.jit(lambda: models.create_model(
+    'efficient_capsnet', rngs=nnx.Rngs(0), **TINY))
 
 
 def _images(seed, shape):
@@ -63,7 +71,7 @@ def _call(model, images, labels=None, train=False):
 
 
 def test_shapes_and_modes():
-  model = models.create_model('efficient_capsnet', rngs=nnx.Rngs(0), **TINY)
+  model = _tiny_model()
   images = _images(0, (5, 28, 28, 1))
   out = _call(model, images, np.array([0, 1, 2, 0, 1]), train=True)
   chex.assert_shape(out['class_scores'], (5, 3))
@@ -76,7 +84,7 @@ def test_shapes_and_modes():
   # Training moved the running statistics; evaluation reads them and
   # leaves them.
   stats = nnx.state(model, nnx.BatchStat)
-  assert float(stats['norms'][0]['var'][...][0]) != 1.0
+  assert float(np.asarray(stats['norms'][0]['var'][...])[0]) != 1.0
   before = jax.tree.map(np.asarray, stats)
   _call(model, images)
   chex.assert_trees_all_equal(before, jax.tree.map(
@@ -159,7 +167,7 @@ def _np_authors_forward(p, images, train):
 
 
 def test_forward_matches_float64_reference_of_the_authors_graph():
-  model = models.create_model('efficient_capsnet', rngs=nnx.Rngs(0), **TINY)
+  model = _tiny_model()
   graphdef, state = nnx.split(model)
   rng = np.random.default_rng(1)
 
@@ -177,7 +185,7 @@ def test_forward_matches_float64_reference_of_the_authors_graph():
         lambda x: jnp.asarray(x, jnp.float64), params))
     for train in (False, True):
       model64 = nnx.merge(graphdef, state, copy=True)
-      out = model64(jnp.asarray(images), train=train)
+      out = _call(model64, jnp.asarray(images), train=train)
       ref, stats = _np_authors_forward(params, images, train)
       for key in ('capsules', 'class_scores', 'reconstructions'):
         assert out[key].dtype == jnp.float64, key
@@ -209,10 +217,11 @@ def test_depthwise_conv_is_per_channel(shape, k, stride, padding):
   kernel = _images(3, (k, k, 1, shape[-1]))
   conv = lambda x, w: nn.depthwise_conv2d(  # noqa: E731
       x, w, stride=stride, padding=padding)
-  got = conv(x, kernel)
-  cotangent = _images(4, got.shape)
-  grad_x, grad_kernel = jax.grad(lambda x, w: jnp.sum(conv(x, w) * cotangent),
-                                 argnums=(0, 1))(x, kernel)
+  cotangent = _images(4, jax.eval_shape(conv, x, kernel).shape)
+  # The gradients of <cotangent, conv(x, w)>, in one compiled program.
+  got, (grad_x, grad_kernel) = jax.jit(functools.partial(
+      output_and_grads, conv))(x, kernel, cotangent)
+  got, grad_x, grad_kernel = map(np.asarray, (got, grad_x, grad_kernel))
   pads = jax.lax.padtype_to_pads(shape[1:3], (k, k), (stride, stride), padding)
   for c in range(shape[-1]):
     want, want_gx, want_gk = conv_reference(
@@ -375,8 +384,9 @@ def test_augmentation_steps_match_references():
         _np_erase(squeezed[i, ..., 0], draws['erase_corners'][i]))
   # The squeeze is tf.image.resize to fewer columns, then placed: 3 fewer
   # (floor(7 a + 1)) from column 1 (3 // 2 + floor(2 b)).
-  one = np.asarray(augment.squeeze_width(shifted[:1], [[0.3, 0.2]]))
-  resized = jax.image.resize(shifted[0], (28, 25, 1), 'lanczos3')
+  one, resized = map(np.asarray, jax.jit(lambda shifted: (
+      augment.squeeze_width(shifted[:1], [[0.3, 0.2]]),
+      jax.image.resize(shifted[0], (28, 25, 1), 'lanczos3')))(shifted))
   np.testing.assert_allclose(one[0, :, 1:26], resized, atol=1e-5)
   assert not one[0, :, :1].any() and not one[0, :, 26:].any()
 
@@ -416,8 +426,9 @@ def test_train_step_lowers_the_loss_and_moves_running_statistics():
   config = _tiny_config()
   optimizer = state_lib.make_optimizer(config)
   steps = vector_capsules.make_steps(config, optimizer)
-  graphdef, state = state_lib.init_train_state(
-      state_lib.create_model(config), optimizer)
+  # One compiled program for the initialisers and the optimiser's zeros.
+  graphdef, state = nnx.jit(lambda: state_lib.init_train_state(
+      state_lib.create_model(config), optimizer))()
   rng = np.random.default_rng(0)
   images = (255 * _digits(3, 8)).astype(np.uint8)
   labels = rng.integers(0, 3, 8).astype(np.int32)
@@ -434,8 +445,8 @@ def test_train_step_lowers_the_loss_and_moves_running_statistics():
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), first_stats,
                        jax.tree.map(np.asarray, state.model_state))
   assert all(jax.tree.leaves(moved))
-  sums = steps.eval_step(graphdef, state.params, state.model_state, images,
-                         labels, np.ones(8, np.float32))
+  sums = jax.jit(functools.partial(steps.eval_step, graphdef))(
+      state.params, state.model_state, images, labels, np.ones(8, np.float32))
   assert int(sums['count']) == 8 and np.isfinite(float(sums['loss']))
 
 

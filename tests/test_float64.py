@@ -78,9 +78,12 @@ def _train_step_jaxpr(config, monkeypatch):
   """The jaxpr of ``config``'s float64 train step (loss and gradient) and
   its outputs' dtypes; jax_enable_x64 must be on."""
   trainer = runs.family(config)
-  model = state_lib.create_model(config, seed=0)
+  # Abstract: the step is traced, so only shapes and dtypes matter (building
+  # and casting the parameters compiled a program per op and shape).
+  model = nnx.eval_shape(lambda: state_lib.create_model(config, seed=0))
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-  params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
+  params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float64), params)
   state = state_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
       opt_state=None, nonfinite_step=jnp.full((), -1, jnp.int32))
@@ -219,14 +222,16 @@ def test_bias_gradient_is_summed_in_float64():
                                 (jnp.float64, jnp.float32)):
       y = jnp.zeros(dy.shape, y_dtype)
       bias = jnp.zeros((5,), bias_dtype)
-      _, vjp = jax.vjp(nn.add_bias, y, bias)
-      _, dbias = jax.jit(vjp)(jnp.asarray(dy, y_dtype))
+      # The forward pass and its vjp in one compiled program.
+      _, dbias = jax.jit(lambda y, bias, dy: jax.vjp(nn.add_bias, y, bias)[1](
+          dy))(y, bias, jnp.asarray(dy, y_dtype))
       assert dbias.dtype == bias_dtype
       np.testing.assert_allclose(
           dbias, expected,
           rtol=1e-13 if bias_dtype == jnp.float64 else 2.0**-24)
     # The convolution layer's bias: float64 params, float64 gradient.
-    graphdef, params = nnx.split(layers.Conv2D(3, 5, 3, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(nnx.jit(
+        lambda: layers.Conv2D(3, 5, 3, rngs=nnx.Rngs(0)))())
     params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
     x = jnp.asarray(rng.standard_normal((16, 11, 11, 3)))
     grads = jax.jit(jax.grad(lambda p: jnp.sum(
@@ -240,22 +245,29 @@ def test_losses_and_penalty_keep_float64():
   scores = rng.uniform(size=(4, 5))
   labels = np.array([0, 3, 4, 1])
   with jax.enable_x64(True):
-    margin = losses.spread_loss_margin(jnp.int32(123_456))
+    # One compiled program, not one per op and shape; the dtypes alone are
+    # read abstractly.
+    @jax.jit
+    def float64_losses(scores, labels):
+      margin = losses.spread_loss_margin(jnp.int32(123_456))
+      return (margin,
+              losses.spread_loss_margin(7, schedule='linear', total_steps=9),
+              losses.spread_loss(scores, labels, margin),
+              losses.cross_entropy_loss(scores, labels),
+              matrix_capsules.l2_penalty({'w': jnp.asarray(scores),
+                                          'b': jnp.ones(3)}))
+
+    margin, linear, spread, entropy, penalty = float64_losses(scores, labels)
     assert margin.dtype == jnp.float64
     np.testing.assert_allclose(
         margin, 0.2 + 0.79 / (1 + np.exp(-(123_456 / 50_000 - 4))),
         rtol=1e-15)
-    linear = losses.spread_loss_margin(7, schedule='linear', total_steps=9)
     np.testing.assert_allclose(linear, 0.2 + 0.7 * 7 / 9, rtol=1e-15)
-    spread = losses.spread_loss(scores, labels, margin)
-    entropy = losses.cross_entropy_loss(scores, labels)
-    penalty = matrix_capsules.l2_penalty({'w': jnp.asarray(scores),
-                                          'b': jnp.ones(3)})
     # float32 scores keep a float32 loss, whatever the margin's dtype.
-    assert losses.spread_loss(scores.astype(np.float32), labels,
-                              margin).dtype == jnp.float32
-    assert losses.spread_loss_margin(5, dtype=jnp.float32).dtype == (
-        jnp.float32)
+    assert jax.eval_shape(losses.spread_loss, scores.astype(np.float32),
+                          labels, margin).dtype == jnp.float32
+    assert jax.eval_shape(lambda: losses.spread_loss_margin(
+        5, dtype=jnp.float32)).dtype == jnp.float32
   assert spread.dtype == entropy.dtype == penalty.dtype == jnp.float64
   gaps = np.maximum(0.0, float(margin) - (
       scores[np.arange(4), labels][:, None] - scores))**2
@@ -267,7 +279,7 @@ def test_losses_and_penalty_keep_float64():
                              rtol=1e-14)
   np.testing.assert_allclose(penalty, np.sum(scores**2), rtol=1e-14)
   # Without x64 the margin is float32, as float32 training computes it.
-  assert losses.spread_loss_margin(5).dtype == jnp.float32
+  assert jax.eval_shape(losses.spread_loss_margin, 5).dtype == jnp.float32
 
 
 def test_attack_gradients_and_two_digit_reconstructions_keep_float64():
@@ -279,19 +291,24 @@ def test_attack_gradients_and_two_digit_reconstructions_keep_float64():
   with jax.enable_x64(True):
     images = jnp.asarray(np.linspace(0, 1, 2 * 3 * 3).reshape(2, 3, 3, 1),
                          jnp.float64)
-    grad = adversarial.input_gradient(
-        lambda x, y: jnp.sum(x ** 2, axis=(1, 2, 3)) * y, images,
-        jnp.asarray([1.0, 2.0], jnp.float64))
+    # Each computation below in one compiled program, not one per op.
+    grad = jax.jit(functools.partial(
+        adversarial.input_gradient,
+        lambda x, y: jnp.sum(x ** 2, axis=(1, 2, 3)) * y))(
+            images, jnp.asarray([1.0, 2.0], jnp.float64))
     assert grad.dtype == jnp.float64
     np.testing.assert_allclose(
         grad, 2 * np.asarray(images) * np.array([1, 2])[:, None, None, None],
         rtol=1e-15)
     from experiments.configs import capsnet_multimnist
     config = capsnet_multimnist.get_config('smoke')
+    create = nnx.jit(lambda: state_lib.create_model(config))
+    cast = jax.jit(lambda params, dtype: jax.tree.map(
+        lambda p: p.astype(dtype), params), static_argnums=1)
     for dtype in (jnp.float64, jnp.float32):
-      model = state_lib.create_model(config)
+      model = create()
       params = nnx.state(model, nnx.Param)
-      nnx.update(model, jax.tree.map(lambda p, d=dtype: p.astype(d), params))
+      nnx.update(model, cast(params, dtype))
       pairs = jnp.zeros((2, 36, 36, 1), dtype)
       outputs = nnx.jit(lambda m, x, y: vector_capsules.two_digit_outputs(
           m, x, y, train=False))(model, pairs, jnp.asarray([[0, 1], [2, 3]]))

@@ -74,9 +74,9 @@ def _inputs(seed, b=5, k=10, n=36 * 36):
 def test_two_label_margin_and_reconstruction_loss_match_numpy():
   lengths, labels, recon, digits = _inputs(0)
   outputs = {'class_scores': lengths, 'digit_reconstructions': recon}
-  loss, metrics = jax.jit(functools.partial(
-      families.of('capsnet').multi_label_loss, config=_config()))(
-          outputs, labels, digits=digits)
+  loss_fn = jax.jit(functools.partial(
+      families.of('capsnet').multi_label_loss, config=_config()))
+  loss, metrics = loss_fn(outputs, labels, digits=digits)
   margin = margin_reference(lengths, labels)
   # Each reconstruction against its OWN digit, summed over the two digits.
   flat = digits.reshape(5, 2, -1).astype(np.float64)
@@ -87,28 +87,28 @@ def test_two_label_margin_and_reconstruction_loss_match_numpy():
                              reconstruction.mean(), rtol=1e-5)
   # Swapping the two targets' images changes the loss: no digit is matched
   # against the other's reconstruction.
-  swapped, _ = families.of('capsnet').multi_label_loss(
-      outputs, labels, _config(), digits=digits[:, ::-1])
+  swapped, _ = loss_fn(outputs, labels, digits=digits[:, ::-1])
   assert np.all(np.abs(np.asarray(swapped) - np.asarray(loss)) > 1e-4)
 
 
 def test_two_label_margin_loss_without_decoder_and_label_order():
   lengths, labels, _, _ = _inputs(1)
-  loss, metrics = families.of('capsnet').multi_label_loss(
-      {'class_scores': lengths}, labels, _config())
+  loss_fn = jax.jit(functools.partial(
+      families.of('capsnet').multi_label_loss, config=_config()))
+  loss, metrics = loss_fn({'class_scores': lengths}, labels)
   np.testing.assert_allclose(loss, margin_reference(lengths, labels),
                              rtol=1e-5)
   assert 'reconstruction_loss' not in metrics
-  flipped, _ = families.of('capsnet').multi_label_loss(
-      {'class_scores': lengths}, labels[:, ::-1], _config())
+  flipped, _ = loss_fn({'class_scores': lengths}, labels[:, ::-1])
   np.testing.assert_allclose(flipped, loss, rtol=1e-6)
 
 
 def test_baseline_sigmoid_loss_matches_numpy():
   logits, labels, _, _ = _inputs(2)
   logits = 4 * logits - 2
-  loss, _ = families.of('baseline_cnn').multi_label_loss(
-      {'class_scores': logits}, labels, _config())
+  loss, _ = jax.jit(functools.partial(
+      families.of('baseline_cnn').multi_label_loss, config=_config()))(
+          {'class_scores': logits}, labels)
   np.testing.assert_allclose(loss, bce_reference(logits, labels), rtol=1e-5)
 
 
@@ -130,10 +130,11 @@ def test_top_2_metric_on_hand_made_scores():
   ], np.float32)
   labels = np.array([[1, 3], [3, 1], [1, 2], [0, 1], [9, 8], [8, 7]],
                     np.int32)
-  got = jax.jit(families.top_k_correct)(scores, labels)
+  top_k_correct = jax.jit(families.top_k_correct)
+  got = top_k_correct(scores, labels)
   np.testing.assert_array_equal(got, [True, True, False, False, True, False])
   # With one label per example it is plain argmax accuracy.
-  single = families.top_k_correct(scores, labels[:, :1])
+  single = top_k_correct(scores, labels[:, :1])
   np.testing.assert_array_equal(single, np.argmax(scores, 1) == labels[:, 0])
 
 
@@ -143,27 +144,30 @@ def test_top_2_metric_on_hand_made_scores():
 
 @pytest.fixture(scope='module')
 def capsnet():
-  return models.create_model('capsnet', rngs=nnx.Rngs(0),
-                             input_shape=(36, 36, 1), **SMALL_CAPSNET)
+  # Built in one compiled program, not one per initialiser op and shape.
+  return nnx.jit(lambda: models.create_model(
+      'capsnet', rngs=nnx.Rngs(0), input_shape=(36, 36, 1),
+      **SMALL_CAPSNET))()
 
 
 def test_decoder_masks_each_digits_own_capsule(capsnet):
   rng = np.random.default_rng(3)
   capsules = rng.normal(size=(3, 10, 16)).astype(np.float32) * 0.3
   classes = np.array([[1, 4], [0, 9], [7, 2]], np.int32)
-  got = np.asarray(nnx.jit(lambda m, c, k: m.reconstruct_digits(c, k))(
-      capsnet, capsules, classes))
+  reconstruct = nnx.jit(lambda m, c, k: m.reconstruct_digits(c, k))
+  got = np.asarray(reconstruct(capsnet, capsules, classes))
   assert got.shape == (3, 2, 36 * 36)
+  decode = nnx.jit(lambda m, x: jax.nn.sigmoid(m.decoder(x)))
   for b in range(3):
     for t in range(2):
       masked = np.zeros_like(capsules[b])
       masked[classes[b, t]] = capsules[b, classes[b, t]]
-      want = jax.nn.sigmoid(capsnet.decoder(masked.reshape(1, -1)))[0]
+      want = np.asarray(decode(capsnet, masked.reshape(1, -1)))[0]
       np.testing.assert_allclose(got[b, t], want, rtol=1e-5, atol=1e-6)
   # Changing the first digit's capsule moves only the first reconstruction.
   moved = capsules.copy()
   moved[np.arange(3), classes[:, 0]] += 0.5
-  again = np.asarray(capsnet.reconstruct_digits(moved, classes))
+  again = np.asarray(reconstruct(capsnet, moved, classes))
   assert np.all(np.abs(again[:, 0] - got[:, 0]).max(axis=1) > 1e-4)
   np.testing.assert_allclose(again[:, 1], got[:, 1], rtol=1e-6)
 
@@ -174,8 +178,9 @@ def test_reconstruct_digits_errors(capsnet):
     capsnet.reconstruct_digits(capsules, np.zeros((2, 2), np.float32))
   with pytest.raises(ValueError, match=r'int \[B, T\]'):
     capsnet.reconstruct_digits(capsules, np.zeros((2,), np.int32))
-  bare = models.create_model('capsnet', rngs=nnx.Rngs(0), reconstruction=False,
-                             **SMALL_CAPSNET)
+  # Abstract: it raises before computing anything.
+  bare = nnx.eval_shape(lambda: models.create_model(
+      'capsnet', rngs=nnx.Rngs(0), reconstruction=False, **SMALL_CAPSNET))
   with pytest.raises(ValueError, match='no decoder'):
     bare.reconstruct_digits(capsules, np.zeros((2, 2), np.int32))
 
@@ -187,12 +192,12 @@ def test_reconstruct_digits_errors(capsnet):
 def test_pack_pairs_keeps_the_pixels():
   rng = np.random.default_rng(4)
   images = rng.integers(0, 256, (40, 28, 28, 1)).astype(np.uint8)
-  pairs = jax.device_get(data_lib.multimnist_batch(
-      jax.random.key(0), images, np.arange(40) % 10, 3))
+  pairs = jax.device_get(jax.jit(lambda key: data_lib.multimnist_batch(
+      key, images, np.arange(40) % 10, 3))(jax.random.key(0)))
   split = data_lib.pack_pairs(pairs)
   assert split.images.dtype == np.uint8 and split.images.shape == (3, 36, 36, 3)
   assert split.labels.dtype == np.int32
-  inputs, digits = data_lib.unpack_pairs(split.images)
+  inputs, digits = jax.device_get(jax.jit(data_lib.unpack_pairs)(split.images))
   # Up to float32 rounding: within a tenth of a grey level.
   np.testing.assert_allclose(inputs, pairs['image'], atol=1e-6, rtol=0)
   np.testing.assert_allclose(digits[:, 0], pairs['first'], atol=1e-6, rtol=0)
@@ -211,13 +216,21 @@ def test_train_step_draws_its_pairs_from_the_key():
   optimizer = state_lib.make_optimizer(config)
   steps = vector_capsules.make_multimnist_steps(config, optimizer)
   assert steps.train_batch is state_lib.whole_split
-  graphdef, state = state_lib.init_train_state(
-      state_lib.create_model(config), optimizer)
+  # Each in one compiled program, not one per op and shape.
+  graphdef, state = nnx.jit(lambda: state_lib.init_train_state(
+      state_lib.create_model(config), optimizer))()
   model = nnx.merge(graphdef, state.params, state.model_state)
   key = jax.random.key(7)
-  batch = data_lib.multimnist_batch(key, images, labels, 4)
-  outputs = model(batch['image'])
-  recon = model.reconstruct_digits(outputs['capsules'], batch['labels'])
+
+  @nnx.jit
+  def draw_and_forward(model, key):
+    batch = data_lib.multimnist_batch(key, images, labels, 4)
+    outputs = model(batch['image'])
+    recon = model.reconstruct_digits(outputs['capsules'], batch['labels'])
+    correct = families.top_k_correct(outputs['class_scores'], batch['labels'])
+    return batch, outputs, recon, correct
+
+  batch, outputs, recon, correct = jax.device_get(draw_and_forward(model, key))
   digits = np.stack([batch['first'], batch['second']], 1).reshape(4, 2, -1)
   want = (margin_reference(outputs['class_scores'], batch['labels']) +
           0.0005 * np.sum((np.asarray(recon) - digits) ** 2, axis=(1, 2)))
@@ -233,7 +246,6 @@ def test_train_step_draws_its_pairs_from_the_key():
       state.params, state.model_state, pairs.images, pairs.labels,
       np.ones(4, bool))
   np.testing.assert_allclose(sums['loss'], want.sum(), rtol=1e-4)
-  correct = families.top_k_correct(outputs['class_scores'], batch['labels'])
   assert int(sums['correct']) == int(np.sum(correct))
 
 

@@ -29,6 +29,12 @@ def _model(head, **options):
                              head=head, **options)
 
 
+@nnx.jit
+def _forward(model, images):
+  # One compiled program per head and shape, not one per op.
+  return model(images)
+
+
 def _images(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).uniform(size=shape),
                      jnp.float32)
@@ -90,14 +96,14 @@ def test_every_head_trains_with_finite_gradients_and_scores_in_0_1(head):
 
 def test_the_control_couples_every_child_to_every_class_equally():
   model = _model('uniform', **SMALL)
-  out = model(_images((2, 40, 40, 1)))
+  out = _forward(model, _images((2, 40, 40, 1)))
   np.testing.assert_allclose(out['coupling'], 1 / 10, rtol=1e-6)
   # Its scores are the lengths of its squashed poses, not the (constant)
   # activations: they differ between classes.
   assert np.ptp(np.asarray(out['class_scores']), axis=-1).min() > 0
   # Self-routing starts from the same couplings (its routing networks are
   # zeros) and leaves them as it learns.
-  start = _model('self_routing', **SMALL)(_images((2, 40, 40, 1)))
+  start = _forward(_model('self_routing', **SMALL), _images((2, 40, 40, 1)))
   np.testing.assert_allclose(start['coupling'], 1 / 10, rtol=1e-6)
 
 
@@ -105,7 +111,7 @@ def test_routing_changes_the_couplings_of_the_routed_heads():
   images = _images((2, 28, 28, 1))
   for head in ('dynamic_3', 'su', 'em', 'self_attention',
                'inverted_dot_product'):
-    coupling = np.asarray(_model(head, **SMALL)(images)['coupling'])
+    coupling = np.asarray(_forward(_model(head, **SMALL), images)['coupling'])
     assert np.ptp(coupling, axis=-1).max() > 1e-4, head
 
 
