@@ -6,7 +6,6 @@ import pickletools
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck
@@ -305,11 +304,17 @@ def images():
                                            dtype=np.uint8)
 
 
+# Jitted, each a single compilation (eagerly, one per operation).
+_draws = jax.jit(cifar10.cifar10_train_draws, static_argnums=(1, 2, 3))
+_distort = jax.jit(cifar10.cifar10_distort)
+_train_preprocess = jax.jit(cifar10_train_preprocess,
+                            static_argnames='flip')
+
+
 def test_distort_matches_float64_reference(images):
   key = jax.random.key(0)
-  draws = jax.jit(cifar10.cifar10_train_draws, static_argnums=(1, 2, 3))(
-      key, 16, 32, 32)
-  out = np.asarray(jax.jit(cifar10.cifar10_distort)(images, *draws))
+  draws = _draws(key, 16, 32, 32)
+  out = np.asarray(_distort(images, *draws))
   assert out.shape == (16, 24, 24, 3) and out.dtype == np.float32
   offsets, flips, delta, factor = (np.asarray(d) for d in draws)
   for b in range(16):
@@ -321,13 +326,12 @@ def test_distort_matches_float64_reference(images):
   assert offsets.min() >= 0 and offsets.max() <= 8
   assert np.all(np.abs(delta) <= 63 / 255)
   assert np.all((factor >= 0.2) & (factor <= 1.8))
-  np.testing.assert_array_equal(
-      np.asarray(cifar10_train_preprocess(key, images)), out)
+  np.testing.assert_array_equal(np.asarray(_train_preprocess(key, images)),
+                                out)
 
 
 def test_draws_cover_crops_and_flips():
-  offsets, flips, _, _ = cifar10.cifar10_train_draws(jax.random.key(5), 2000,
-                                                     32, 32)
+  offsets, flips, _, _ = _draws(jax.random.key(5), 2000, 32, 32)
   offsets, flips = np.asarray(offsets), np.asarray(flips)
   # All 9 positions per axis (tf.random_crop's); flips with probability 1/2.
   assert set(offsets.ravel().tolist()) == set(range(9))
@@ -336,13 +340,12 @@ def test_draws_cover_crops_and_flips():
 
 def test_no_flip_and_flip_left_right(images):
   key = jax.random.key(1)
-  plain = cifar10_train_preprocess(key, images, flip=False)
-  offsets, flips, delta, factor = cifar10.cifar10_train_draws(key, 16, 32, 32)
+  plain = _train_preprocess(key, images, flip=False)
+  offsets, flips, delta, factor = _draws(key, 16, 32, 32)
   np.testing.assert_array_equal(
-      plain, cifar10.cifar10_distort(images, offsets, jnp.zeros(16, bool),
-                                     delta, factor))
-  x = jnp.arange(2 * 2 * 3 * 1).reshape(2, 2, 3, 1)
-  flipped = cifar10.flip_left_right(x, jnp.array([True, False]))
+      plain, _distort(images, offsets, np.zeros(16, bool), delta, factor))
+  x = np.arange(2 * 2 * 3 * 1, dtype=np.int32).reshape(2, 2, 3, 1)
+  flipped = jax.jit(cifar10.flip_left_right)(x, np.array([True, False]))
   np.testing.assert_array_equal(flipped[0], x[0, :, ::-1])
   np.testing.assert_array_equal(flipped[1], x[1])
 
@@ -354,7 +357,8 @@ def test_eval_preprocess_is_the_standardised_centre(images):
     np.testing.assert_allclose(out[b], standardize_ref(images[b, 4:28, 4:28]),
                                atol=2e-5)
   # A constant image: zeros (the std floor), not NaN.
-  flat = cifar10_eval_preprocess(np.full((2, 32, 32, 3), 9, np.uint8))
+  flat = jax.jit(cifar10_eval_preprocess)(np.full((2, 32, 32, 3), 9,
+                                                  np.uint8))
   np.testing.assert_allclose(flat, 0, atol=1e-4)
   with pytest.raises(ValueError, match='H, W >= 24'):
     cifar10_train_preprocess(jax.random.key(0), images[:, :20])

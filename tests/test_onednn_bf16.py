@@ -16,6 +16,8 @@ BF16_EPS * (sum of |terms|) per tap: their bound is taps * BF16_EPS *
 """
 
 
+import functools
+
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
@@ -241,6 +243,15 @@ def test_forced_to_xla_by_the_environment(monkeypatch):
   assert 'Onednn' not in hlo.as_text()
 
 
+@functools.cache
+def _built(name, options):
+  """The model built as one compiled program, once per test session (the
+  tests only split it); eagerly each initialiser compiles per shape. The
+  checks here do not depend on the exact initial values."""
+  return nnx.jit(lambda: models.create_model(name, rngs=nnx.Rngs(0),
+                                             **dict(options)))()
+
+
 def _capsnet_loss(params, graphdef, rest, images, labels):
   """The CapsNet's margin and reconstruction losses in bfloat16 compute on
   float32 master parameters (training's mixed precision)."""
@@ -259,11 +270,11 @@ def test_capsnet_bfloat16_forward_and_gradients_are_finite(fill):
   """All-zero and constant images: finite routing values, outputs and
   float32 gradients in bfloat16 compute (through oneDNN where the CPU has
   bfloat16 instructions)."""
-  model = models.create_model('capsnet', rngs=nnx.Rngs(0), conv1_channels=16,
-                              primary_types=4, decoder_widths=(32, 64))
+  model = _built('capsnet', (('conv1_channels', 16), ('primary_types', 4),
+                             ('decoder_widths', (32, 64))))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  images = jnp.full((4, 28, 28, 1), fill, jnp.float32)
-  labels = jnp.arange(4) % 10
+  images = np.full((4, 28, 28, 1), fill, np.float32)
+  labels = np.arange(4, dtype=np.int32) % 10
   step = jax.jit(jax.value_and_grad(_capsnet_loss, has_aux=True),
                  static_argnums=1)
   hlo = step.lower(params, graphdef, rest, images, labels).as_text()
@@ -393,9 +404,9 @@ def test_other_models_bfloat16_gradients_are_finite(name, options, shape,
   """EM routing, Su's capsule model and the baseline CNN on all-zero and
   constant images in bfloat16 compute: finite scores and float32
   gradients."""
-  model = models.create_model(name, rngs=nnx.Rngs(0), **options)
+  model = _built(name, tuple(sorted(options.items())))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  images = jnp.full((2,) + shape, fill, jnp.float32)
+  images = np.full((2,) + shape, fill, np.float32)
 
   def loss_of(params):
     half = nnx.merge(graphdef, state_lib.cast_floating(params, jnp.bfloat16),
