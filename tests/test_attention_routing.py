@@ -107,7 +107,9 @@ def run(fn, args, dtype):
   """jit(fn)(*args) with every float argument cast to ``dtype``; float64
   under jax_enable_x64. Returns NumPy arrays."""
   with jax.enable_x64(dtype == np.float64):
-    cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), args)
+    # Cast by NumPy: the same rounding, without a compiled conversion for
+    # each argument.
+    cast = jax.tree.map(lambda x: np.asarray(x, dtype), args)
     return jax.tree.map(np.asarray, jax.jit(fn)(*cast))
 
 
@@ -189,13 +191,21 @@ def test_efficient_squash_length_and_direction():
   np.testing.assert_allclose(np.sum(out * s, -1), length * norm, rtol=1e-12)
 
 
+@jax.jit
+def _squash_and_jacobian(s):
+  """efficient_squash(s) and its float32 Jacobian, one compiled program."""
+  return ar.efficient_squash(s), jax.jacobian(
+      lambda s: ar.efficient_squash(s).astype(jnp.float32))(s)
+
+
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_efficient_squash_zero_and_long_vectors_finite_gradients(dtype):
   """The authors' form has 0/0 in the gradient at s = 0 and inf/inf where
   exp(|s|) overflows float32 (|s| > 89); the gradient at 0 is the identity."""
-  s = jnp.asarray(np.stack([np.zeros(4), [100.0, 0, 0, 0], [1e6, -1e6, 0, 0]]),
-                  dtype)
-  out = ar.efficient_squash(s)
+  s = np.asarray(np.stack([np.zeros(4), [100.0, 0, 0, 0], [1e6, -1e6, 0, 0]]),
+                 dtype)
+  out, jacobian = _squash_and_jacobian(s)
+  out, jacobian = np.asarray(out), np.asarray(jacobian)
   assert out.dtype == dtype
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
   np.testing.assert_allclose(np.asarray(out[1:], np.float32),
@@ -203,8 +213,6 @@ def test_efficient_squash_zero_and_long_vectors_finite_gradients(dtype):
                              / np.linalg.norm(np.asarray(s[1:], np.float32),
                                               axis=-1, keepdims=True),
                              rtol=1e-2)
-  jacobian = jax.jacobian(lambda s: ar.efficient_squash(s).astype(
-      jnp.float32))(s)
   assert np.all(np.isfinite(np.asarray(jacobian, np.float32)))
   np.testing.assert_allclose(np.asarray(jacobian[0, :, 0], np.float32),
                              np.eye(4), atol=1e-5)
@@ -325,7 +333,8 @@ def test_gradients_match_finite_differences():
   step = 1e-6
   with jax.enable_x64(True):
     loss = jax.jit(functools.partial(_weighted_loss, weights=weights))
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    grads = jax.tree.map(np.asarray,
+                         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args))
     entries = [(0, (0, 1, 2, 3)), (0, (1, 4, 0, 0)), (0, (0, 2, 1, 2)),
                (1, (3, 1)), (1, (0, 2)), (2, (1,)), (3, (2,))]
     for argnum, index in entries:
@@ -333,7 +342,9 @@ def test_gradients_match_finite_differences():
       plus[argnum], minus[argnum] = args[argnum].copy(), args[argnum].copy()
       plus[argnum][index] += step
       minus[argnum][index] -= step
-      numeric = (loss(*plus) - loss(*minus)) / (2 * step)
+      # float64 NumPy scalars: the same difference, not compiled op by op.
+      numeric = (np.asarray(loss(*plus)) - np.asarray(loss(*minus))) / (
+          2 * step)
       np.testing.assert_allclose(grads[argnum][index], numeric, rtol=1e-6,
                                  atol=1e-8, err_msg=f'{argnum} {index}')
     for grad, arg in zip(grads, args, strict=True):
@@ -379,10 +390,10 @@ def test_values_and_gradients_finite_on_degenerate_inputs(dtype):
   scale: finite outputs and gradients with respect to every argument."""
   stacked = np.stack([_degenerate_votes(case) for case in DEGENERATE_CASES])
   single = _degenerate_votes('single_input')
-  groups = [tuple(jnp.asarray(x, dtype) for x in (
+  groups = [tuple(np.asarray(x, dtype) for x in (
       votes, PRIORS[:votes.shape[-3]], GAMMA, BETA))
             for votes in (stacked, single)]
-  grads, values = _degenerate_grads(groups)
+  grads, values = jax.tree.map(np.asarray, _degenerate_grads(groups))
   names = ['self-attention outputs', 'self-attention coupling',
            'inverted poses', 'inverted coupling', 'inverted poses, no norm']
   for group_values, group_grads, group, cases in zip(
@@ -474,9 +485,9 @@ def test_pose_layer_norm_keeps_bfloat16_and_computes_wide():
   rng = np.random.default_rng(0)
   poses, scale, offset = (rng.standard_normal(shape) for shape in
                           ((5, 10, 16), (16,), (16,)))
-  poses16 = jnp.asarray(poses, jnp.bfloat16)
-  out = ar.pose_layer_norm(poses16, jnp.asarray(scale, jnp.float32),
-                           jnp.asarray(offset, jnp.float32))
+  poses16 = np.asarray(poses, jnp.bfloat16)
+  out = jax.jit(ar.pose_layer_norm)(poses16, np.asarray(scale, np.float32),
+                                    np.asarray(offset, np.float32))
   assert out.dtype == jnp.bfloat16
   rounded = np.asarray(poses16, np.float64)
   centred = rounded - rounded.mean(-1, keepdims=True)
@@ -487,11 +498,11 @@ def test_pose_layer_norm_keeps_bfloat16_and_computes_wide():
 
 
 def test_layer_norm_parameters_without_layer_norm_are_refused():
-  votes = jnp.ones((2, 4, 3, 8))
+  votes = np.ones((2, 4, 3, 8), np.float32)
   with pytest.raises(ValueError, match='with layer_norm=False they would be '
                      'ignored'):
     ar.inverted_dot_product_routing(votes, 2, layer_norm=False,
-                                    scale=jnp.ones(8))
+                                    scale=np.ones(8, np.float32))
 
 
 def test_dimension_one_skips_layer_norm():
@@ -527,7 +538,8 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match='votes'):
       fn(votes[0, 0])  # [O, D]
   with pytest.raises(ValueError):
-    ar.self_attention_routing(votes, np.zeros((DIMS.I + 1, DIMS.O)))
+    # Traced: the shapes are checked without running the routing op by op.
+    jax.jit(ar.self_attention_routing)(votes, np.zeros((DIMS.I + 1, DIMS.O)))
 
 
 # ----------------------------------------------------------------------------

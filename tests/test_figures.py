@@ -65,6 +65,12 @@ def _check_png(path, min_size=(100, 100)):
   return pixels.shape
 
 
+# One compiled decoder pass for every tile checked (eager, each operation
+# compiles).
+_reconstruct_digits = nnx.jit(
+    lambda model, capsules, labels: model.reconstruct_digits(capsules, labels))
+
+
 def test_perturbed_reconstructions(capsnet, images):
   out = figures.model_outputs(capsnet, images[:1])
   tiles = figures.perturbed_reconstructions(capsnet, images[0])
@@ -90,7 +96,7 @@ def test_perturbed_reconstructions(capsnet, images):
   for d, s in ((0, 0), (7, 3), (15, 10)):
     moved = capsules.copy()
     moved[winner, d] += steps[s]
-    pixels = capsnet.reconstruct_digits(moved[None], np.array([[winner]]))
+    pixels = _reconstruct_digits(capsnet, moved[None], np.array([[winner]]))
     np.testing.assert_allclose(tiles[d, s], np.asarray(pixels).reshape(
         28, 28, 1), atol=1e-5)
 

@@ -132,8 +132,9 @@ def test_preprocess_train_and_eval(name):
       0, 256, (4, height, width, channels), dtype=np.uint8)
   train = jax.jit(lambda x, k: vector_capsules.preprocess(config, x, k))(
       images, jax.random.key(0))
-  evaluation = vector_capsules.make_steps(config, state_lib.make_optimizer(
-      config)).eval_inputs(images)
+  # Jitted, as the training loop runs it: one program, not one per operation.
+  evaluation = jax.jit(vector_capsules.make_steps(
+      config, state_lib.make_optimizer(config)).eval_inputs)(images)
   shape = (4, *config.model_options.input_shape)
   assert train.shape == evaluation.shape == shape
   assert train.dtype == evaluation.dtype == np.float32

@@ -205,13 +205,19 @@ def jit_em(num_iterations, **options):
 # run every case of a parametrized test in one jitted call, cached.
 
 
+def _numpy(tree):
+  """Results as NumPy arrays: arithmetic on them in the checks runs in
+  NumPy, not as one small compiled program per operation."""
+  return jax.tree.map(np.asarray, tree)
+
+
 @functools.cache
 def dynamic_sweep():
   """dynamic_routing for every (batch shape, iteration count)."""
   votes = [random_votes(4, shape) for shape in BATCH_SHAPES]
   run = jax.jit(lambda all_votes: [
       [routing.dynamic_routing(v, t) for t in ITERATIONS] for v in all_votes])
-  return votes, run(votes)
+  return votes, _numpy(run(votes))
 
 
 @functools.cache
@@ -220,15 +226,17 @@ def em_sweep():
   inputs = [random_em_inputs(13, shape) for shape in BATCH_SHAPES]
   run = jax.jit(lambda all_inputs: [
       [routing.em_routing(*x, t) for t in ITERATIONS] for x in all_inputs])
-  return inputs, run(inputs)
+  return inputs, _numpy(run(inputs))
 
 
 # ----------------------------------------------------------------------------
 # squash and safe_norm.
 
 _squash = jax.jit(routing.squash)
+_coupling = jax.jit(routing.coupling_coefficients)
 _leaky_coupling = jax.jit(functools.partial(routing.coupling_coefficients,
                                             leaky=True))
+_safe_norm = jax.jit(routing.safe_norm, static_argnames=('axis', 'keepdims'))
 
 
 @pytest.mark.parametrize('constant', [1.0, 0.5])
@@ -262,19 +270,24 @@ def test_squash_length_and_direction(s):
   np.testing.assert_allclose(cosine, 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-def test_squash_zero_vector_has_zero_value_and_finite_gradient(dtype):
-  zero = jnp.zeros((2, 8), dtype)
-  out = routing.squash(zero)
-  assert out.dtype == dtype
-  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+@jax.jit
+def _squash_at_zero(zero, zero32):
+  """squash(zero), its gradient and safe_norm's, in one compiled program."""
   weights = jnp.arange(16.0).reshape(2, 8)
   grad = jax.grad(lambda s: jnp.sum(routing.squash(s).astype(jnp.float32)
                                     * weights))(zero)
+  norm_grad = jax.grad(lambda s: jnp.sum(routing.safe_norm(s)))(zero32)
+  return routing.squash(zero), grad, norm_grad
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_squash_zero_vector_has_zero_value_and_finite_gradient(dtype):
+  zero = np.zeros((2, 8), dtype)
+  out, grad, norm_grad = _squash_at_zero(zero, np.zeros((2, 8), np.float32))
+  assert out.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
   assert grad.dtype == dtype
   assert np.all(np.isfinite(np.asarray(grad, np.float32)))
-  norm_grad = jax.grad(lambda s: jnp.sum(routing.safe_norm(s)))(
-      jnp.zeros((2, 8)))
   np.testing.assert_array_equal(norm_grad, 0.0)
 
 
@@ -304,18 +317,19 @@ def test_integer_inputs_are_refused_not_routed_to_zeros():
     print(name, 'refused')
   # Floating votes of every width still route.
   for dtype in (jnp.bfloat16, jnp.float32):
-    outputs, _ = routing.dynamic_routing(votes.astype(dtype), 2)
-    assert outputs.dtype == dtype and bool(jnp.all(outputs > 0))
+    outputs, _ = jit_dynamic(2)(votes.astype(dtype))
+    assert outputs.dtype == dtype
+    assert np.all(np.asarray(outputs, np.float32) > 0)
 
 
 def test_safe_norm_matches_numpy():
   x = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
-  np.testing.assert_allclose(routing.safe_norm(x), np.linalg.norm(x, axis=-1),
+  np.testing.assert_allclose(_safe_norm(x), np.linalg.norm(x, axis=-1),
                              rtol=1e-6)
-  np.testing.assert_allclose(routing.safe_norm(x, axis=0, keepdims=True),
+  np.testing.assert_allclose(_safe_norm(x, axis=0, keepdims=True),
                              np.linalg.norm(x, axis=0, keepdims=True),
                              rtol=1e-6)
-  np.testing.assert_allclose(routing.safe_norm(np.zeros(3)), 1e-6)
+  np.testing.assert_allclose(_safe_norm(np.zeros(3)), 1e-6)
 
 
 @pytest.mark.parametrize('constant', [1.0, 0.5])
@@ -333,7 +347,7 @@ def test_squash_check_grads(constant):
 def test_coupling_normalises_over_outputs_not_inputs():
   logits = np.random.default_rng(3).standard_normal((2, 6, 4)).astype(
       np.float32)
-  coupling = np.asarray(routing.coupling_coefficients(logits))
+  coupling = np.asarray(_coupling(logits))
   np.testing.assert_allclose(coupling.sum(-1), 1.0, rtol=1e-6)
   np.testing.assert_allclose(coupling, np_coupling(logits), rtol=1e-6)
   # The open-port bug (softmax over inputs) gives a different matrix.
@@ -355,10 +369,9 @@ def test_leaky_coupling_sums_below_one(logits):
 
 def test_zero_logits_give_uniform_coupling():
   zeros = np.zeros((4, 3), np.float32)
-  np.testing.assert_allclose(routing.coupling_coefficients(zeros), 1 / 3)
+  np.testing.assert_allclose(_coupling(zeros), 1 / 3)
   # The orphan logit takes an equal share.
-  np.testing.assert_allclose(
-      routing.coupling_coefficients(zeros, leaky=True), 1 / 4)
+  np.testing.assert_allclose(_leaky_coupling(zeros), 1 / 4)
 
 
 # ----------------------------------------------------------------------------
@@ -412,7 +425,7 @@ def dynamic_variants():
             for accumulate, leaky, squash_constant, with_bias, normalize
             in DYNAMIC_VARIANTS]
 
-  return votes, bias, run(votes, bias)
+  return votes, bias, _numpy(run(votes, bias))
 
 
 @pytest.mark.parametrize('index', range(len(DYNAMIC_VARIANTS)))
@@ -438,12 +451,20 @@ def test_dynamic_routing_variants_match_reference(index):
     np.testing.assert_allclose(totals, 1.0, rtol=1e-6)
 
 
+@functools.cache
+def su_sweep():
+  """Su's routing of one set of votes for every iteration count."""
+  votes = random_votes(9, (DIMS.B,))
+  run = jax.jit(lambda votes: {t: routing.dynamic_routing(
+      votes, t, accumulate=False, squash_constant=0.5,
+      normalize_agreement=True) for t in ITERATIONS})
+  return votes, _numpy(run(votes))
+
+
 @pytest.mark.parametrize('num_iterations', [1, 2, 3, 5])
 def test_normalized_agreement_is_su_2018_routing(num_iterations):
-  votes = random_votes(9, (DIMS.B,))
-  outputs, coupling = jax.jit(functools.partial(
-      routing.dynamic_routing, num_iterations=num_iterations,
-      accumulate=False, squash_constant=0.5, normalize_agreement=True))(votes)
+  votes, results = su_sweep()
+  outputs, coupling = results[num_iterations]
   ref = np_su_2018_routing(votes, num_iterations)
   chex.assert_trees_all_close((outputs, coupling), ref, rtol=RTOL, atol=ATOL)
   # Different from the blog's routing (agreement with squash(s)) when the
@@ -456,7 +477,7 @@ def test_normalized_agreement_is_su_2018_routing(num_iterations):
 
 def test_dynamic_routing_catches_softmax_over_inputs():
   votes = random_votes(8, (DIMS.B,))
-  outputs, coupling = jit_dynamic(3)(votes)
+  outputs, coupling = _numpy(jit_dynamic(3)(votes))
   np.testing.assert_allclose(np.sum(coupling, -1), 1.0, rtol=1e-6)
   assert np.max(np.abs(np.sum(coupling, -2) - 1.0)) > 0.1
   buggy, _ = np_dynamic_routing(votes, 3, coupling_axis=-2)
@@ -517,7 +538,7 @@ def em_options_sweep():
   run = jax.jit(lambda inputs: {
       name: routing.em_routing(*inputs[name], 3, **options)
       for name, options in EM_OPTIONS.items()})
-  return run(inputs)
+  return _numpy(run(inputs))
 
 
 @pytest.mark.parametrize('name', sorted(EM_OPTIONS))
@@ -648,8 +669,8 @@ def test_em_routing_fits_gaussian_mixture():
   points = means[labels] + 0.5 * rng.standard_normal((120, 2))
   transforms = _rotations([-0.2, 0.05, 0.25])
   votes = np.einsum('jab,ib->ija', transforms, points).astype(np.float32)
-  poses, activations, assignments = jit_em(30, inverse_temperature=0.01)(
-      votes, np.ones(120, np.float32), 0.0, 0.0)
+  poses, activations, assignments = _numpy(jit_em(
+      30, inverse_temperature=0.01)(votes, np.ones(120, np.float32), 0.0, 0.0))
   centres = np.einsum('jba,jb->ja', transforms, np.asarray(poses))
   parent = np.argmin(np.linalg.norm(centres[:, None] - means[None], axis=-1),
                      axis=0)  # parent[k]: the parent closest to cluster k
@@ -669,8 +690,8 @@ def test_em_routing_identical_parents_stay_identical():
   votes = points[:, None, :] + offsets[None]
   # Few iterations: the symmetric state is an unstable fixed point, which
   # float32 rounding (different for each offset) would eventually leave.
-  poses, activations, assignments = jit_em(3, inverse_temperature=0.01)(
-      votes, np.ones(30, np.float32), 0.0, 0.0)
+  poses, activations, assignments = _numpy(jit_em(
+      3, inverse_temperature=0.01)(votes, np.ones(30, np.float32), 0.0, 0.0))
   np.testing.assert_allclose(np.asarray(poses) - offsets,
                              np.broadcast_to(points.mean(0), (3, 2)),
                              atol=1e-5)
@@ -745,7 +766,7 @@ def test_values_and_gradients_finite_on_degenerate_inputs(dtype):
   groups = [tuple(jnp.asarray(x, dtype) for x in (votes, activations, BETA_U,
                                                   BETA_A, bias))
             for votes, activations in (stacked, single)]
-  grads, values = _degenerate_grads(groups)
+  grads, values = _numpy(_degenerate_grads(groups))
   names = ['poses', 'activations', 'assignments', 'dynamic outputs',
            'coupling']
   for group, group_values, group_grads, cases in zip(
@@ -902,8 +923,9 @@ def test_bfloat16_em_activations_near_one_do_not_tie():
   votes, activations, _, _ = random_em_inputs(31, (DIMS.B,))
   beta_a = np.array([8.0, 8.5, 9.0], np.float32)
   run = jit_em(3, **EM_OPTIONS['constant_lambda'])
-  low = run(jnp.asarray(votes, jnp.bfloat16), activations, 0.0, beta_a)[1]
-  high = run(votes, activations, 0.0, beta_a)[1]
+  low = np.asarray(run(jnp.asarray(votes, jnp.bfloat16), activations, 0.0,
+                       beta_a)[1])
+  high = np.asarray(run(votes, activations, 0.0, beta_a)[1])
   assert low.dtype == jnp.float32
   assert np.all(np.asarray(high) > 0.99)
   assert np.all(np.asarray(low, np.float32).astype(jnp.bfloat16) == 1.0)

@@ -99,7 +99,9 @@ def run(fn, args, dtype):
   """jit(fn)(*args) with every float argument cast to ``dtype``; float64
   under jax_enable_x64. Returns NumPy arrays."""
   with jax.enable_x64(dtype == np.float64):
-    cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), args)
+    # Cast by NumPy: the same rounding, without a compiled conversion for
+    # each argument.
+    cast = jax.tree.map(lambda x: np.asarray(x, dtype), args)
     return jax.tree.map(np.asarray, jax.jit(fn)(*cast))
 
 
@@ -261,7 +263,8 @@ def test_shapes_under_vmap_and_leading_dims():
 
 
 def test_bad_shapes_and_dtypes_raise():
-  votes, acts, logits = (jnp.asarray(x, jnp.float32)
+  # NumPy inputs: the slicing below runs no compiled program.
+  votes, acts, logits = (np.asarray(x, np.float32)
                          for x in random_inputs(0, (DIMS.B,)))
   with pytest.raises(ValueError, match='votes must be'):
     sr.self_routing(votes[0, 0], acts[0, :1], logits[0, 0])
@@ -275,9 +278,9 @@ def test_bad_shapes_and_dtypes_raise():
     with pytest.raises(ValueError, match='epsilon'):
       sr.uniform_routing(votes, acts, epsilon=epsilon)
   with pytest.raises(ValueError, match='do not match'):
-    sr.self_routing_logits(jnp.zeros((DIMS.B, DIMS.I, DIMS.E)),
-                           jnp.zeros((DIMS.I, DIMS.E + 1, DIMS.O)),
-                           jnp.zeros((DIMS.I, DIMS.O)))
+    sr.self_routing_logits(np.zeros((DIMS.B, DIMS.I, DIMS.E), np.float32),
+                           np.zeros((DIMS.I, DIMS.E + 1, DIMS.O), np.float32),
+                           np.zeros((DIMS.I, DIMS.O), np.float32))
 
 
 # ----------------------------------------------------------------------------
@@ -414,10 +417,15 @@ def _layer(couplings='self', routing_scale=0.0, seed=0):
 
 
 def _layer_inputs(seed, batch_shape):
-  """Child poses [..., I, E] and activations [..., I] in [0.05, 1]."""
+  """Child poses [..., I, E] and activations [..., I] in [0.05, 1], float32
+  NumPy."""
   acts = np.random.default_rng(seed).uniform(0.05, 1.0, batch_shape + (DIMS.I,))
-  return (jnp.asarray(random_normal(seed, batch_shape + (DIMS.I, DIMS.E))),
-          jnp.asarray(acts, jnp.float32))
+  return (random_normal(seed, batch_shape + (DIMS.I, DIMS.E)),
+          acts.astype(np.float32))
+
+
+# One jitted route for every layer of the same structure and input shape.
+_route = nnx.jit(lambda layer, poses, acts: layer.route(poses, acts))
 
 
 def _count(layer):
@@ -428,8 +436,7 @@ def test_layer_matches_the_paper_and_counts_its_parameters():
   layer = _layer(routing_scale=0.5)
   for batch_shape in ((DIMS.B,), (2, DIMS.B)):
     poses, acts = _layer_inputs(1, batch_shape)
-    out_poses, out_acts, coupling = nnx.jit(lambda m, p, a: m.route(p, a))(
-        layer, poses, acts)
+    out_poses, out_acts, coupling = _route(layer, poses, acts)
     chex.assert_shape([out_poses, out_acts, coupling],
                       [batch_shape + DIMS['OD'], batch_shape + (DIMS.O,),
                        batch_shape + DIMS['IO']])
@@ -450,7 +457,7 @@ def test_layer_starts_as_uniform_routing():
   poses, acts = _layer_inputs(2, (DIMS.B,))
   fresh, control = _layer('self'), _layer('uniform')
   np.testing.assert_array_equal(fresh.weights[...], control.weights[...])
-  got, want = fresh.route(poses, acts), control.route(poses, acts)
+  got, want = _route(fresh, poses, acts), _route(control, poses, acts)
   for x, y in zip(got, want, strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(got[2], 1.0 / DIMS.O, rtol=1e-6)
@@ -463,7 +470,7 @@ def test_layer_gradients_finite(couplings):
   and the routing networks get one."""
   layer = _layer(couplings)
   poses, acts = _layer_inputs(3, (DIMS.B,))
-  acts = acts.at[0].set(0.0)  # the first example has no active child
+  acts[0] = 0.0  # the first example has no active child
 
   @nnx.jit
   def grads(layer, poses, acts):
@@ -473,7 +480,8 @@ def test_layer_gradients_finite(couplings):
       return jnp.sum(out_poses ** 2) + jnp.sum(scores)
     return nnx.grad(loss)(layer)
 
-  leaves = jax.tree.leaves(nnx.to_pure_dict(grads(layer, poses, acts)))
+  leaves = [np.asarray(x) for x in
+            jax.tree.leaves(nnx.to_pure_dict(grads(layer, poses, acts)))]
   assert len(leaves) == (3 if couplings == 'self' else 1)
   for leaf in leaves:
     assert np.all(np.isfinite(leaf)) and np.any(leaf != 0.0)
@@ -528,10 +536,10 @@ def test_flop_counts_match_xla():
   """Within 15% of XLA's own count of the compiled forward pass (the row of
   docs/routings.md rests on it), loosely for the backward pass."""
   shape = (2, 64, 10, 16)
-  votes, acts, logits = (jnp.asarray(x, jnp.float32) for x in random_inputs(
+  votes, acts, logits = (np.asarray(x, np.float32) for x in random_inputs(
       0, shape[:1], *shape[1:]))
-  poses = jnp.ones((2, 64, 8))
-  networks = jnp.ones((64, 8, 10)), jnp.ones((64, 10))
+  poses = np.ones((2, 64, 8), np.float32)
+  networks = np.ones((64, 8, 10), np.float32), np.ones((64, 10), np.float32)
   cases = [
       (lambda v, a, lg: sr.self_routing(v, a, lg), (votes, acts, logits), {}),
       (lambda v, a: sr.uniform_routing(v, a), (votes, acts),

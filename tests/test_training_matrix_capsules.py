@@ -35,6 +35,14 @@ def _em_loss(activations, labels, step, config):
       {'class_scores': activations}, labels, config, step=step)[0]
 
 
+def _jit_em_loss(config):
+  """_em_loss under this config's loss branch, compiled once for every step
+  and every input of the same shapes (eager, each operation compiles)."""
+  config = config.copy_and_resolve_references()
+  return jax.jit(lambda activations, labels, step: _em_loss(
+      activations, labels, step, config))
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -177,20 +185,23 @@ def test_em_loss_branches_equal_their_definitions():
   activations = rng.uniform(0.05, 0.95, (6, 5)).astype(np.float32)
   labels = rng.integers(0, 5, 6)
   config = _norb_config('', margin_schedule='linear', margin_steps=100)
+  spread = _jit_em_loss(config)
   for step in (0, 40, 100, 500):
-    got = _em_loss(activations, labels, np.int32(step), config)
+    got = spread(activations, labels, np.int32(step))
     np.testing.assert_allclose(
         got, _np_spread(activations, labels, _np_linear_margin(step, 100)),
         rtol=1e-5, atol=1e-7)
   expected = _np_losses(activations, labels)
   for name in ('margin', 'cross_entropy'):
     config.loss = name
-    np.testing.assert_allclose(_em_loss(activations, labels, 0, config),
-                               expected[name], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        _jit_em_loss(config)(activations, labels, np.int32(0)),
+        expected[name], rtol=1e-5, atol=1e-7)
   # Saturated activations stay finite in the cross-entropy's logit.
   config.loss = 'cross_entropy'
   saturated = np.array([[0.0, 1.0, 0.5]], np.float32)
-  assert np.isfinite(_em_loss(saturated, np.array([0]), 0, config)).all()
+  assert np.isfinite(np.asarray(_jit_em_loss(config)(
+      saturated, np.array([0]), np.int32(0)))).all()
   config.loss = 'hinge'
   with pytest.raises(ValueError, match="'spread', 'cross_entropy'"):
     _em_loss(activations, labels, 0, config)
@@ -210,7 +221,13 @@ def test_l2_penalty_exempts_exactly_the_biases_and_betas():
   assert any('beta_a' in n for n in exempt)
   assert any('beta_u' in n for n in exempt)
   assert any('bias' in n for n in exempt)
-  assert float(matrix_capsules.l2_penalty(params)) == pytest.approx(decayed, rel=1e-5)
+  # Jitted: one program, not one per leaf and operation.
+  assert float(jax.jit(matrix_capsules.l2_penalty)(params)) == pytest.approx(
+      decayed, rel=1e-5)
+
+
+_train_class_scores = nnx.jit(
+    lambda model, x, y: model(x, y, train=True)['class_scores'])
 
 
 @pytest.mark.parametrize('loss', ['spread', 'cross_entropy', 'margin'])
@@ -230,9 +247,10 @@ def test_train_step_feeds_the_state_step_to_the_loss(norb_dir, loss):
   images = np.asarray(data.train.images[:4])
   labels = np.asarray(data.train.labels[:4], np.int32)
   key = jax.random.PRNGKey(3)
-  inputs = matrix_capsules.preprocess(config, jax.numpy.asarray(images), key)
-  activations = np.asarray(nnx.jit(lambda m, x, y: m(x, y, train=True)[
-      'class_scores'])(model, inputs, labels))
+  inputs = jax.jit(lambda x, k: matrix_capsules.preprocess(config, x, k))(
+      images, key)
+  # The same model (seed 0) for every loss: one compiled forward pass.
+  activations = np.asarray(_train_class_scores(model, inputs, labels))
   for step in (0, 60):
     _, metrics = train_step(state._replace(step=np.int32(step)), images,
                             labels, key)
@@ -310,10 +328,11 @@ def test_authors_variant_builds_the_released_codes_routing(module):
   np.testing.assert_array_equal(model.class_caps.beta_a[...], 1.0)
   np.testing.assert_array_equal(model.class_caps.beta_u[...], 2.0)
   # TF's truncated normals: std 0.88 of the normal's.
-  assert float(np.std(model.caps2.weights[...])) == pytest.approx(
+  # NumPy's std (np.std of a jax.Array would compile jax's).
+  assert float(np.std(np.asarray(model.caps2.weights[...]))) == pytest.approx(
       0.88 * 0.3, rel=0.1)
-  assert float(np.std(model.class_caps.weights[...])) == pytest.approx(
-      0.88 * 0.01, rel=0.2)
+  assert float(np.std(np.asarray(model.class_caps.weights[...]))) == (
+      pytest.approx(0.88 * 0.01, rel=0.2))
 
   plain = state_lib.create_model(module.get_config('small'))
   options = plain.caps2.em_routing
