@@ -347,13 +347,25 @@ def test_help_and_bad_flags(tmp_path):
   assert result.returncode in (0, 1), result.stderr
   for text in ('--workdir', '--models', '--config', 'bim_steps'):
     assert text in result.stdout, text
-  for bad in ('--bogus=1', '--config.bim_stepz=3', '--config.loss=hinge',
-              f'--models={tmp_path / "missing"}', ''):
-    args = [f'--workdir={tmp_path / "out"}'] + ([bad] if bad else [])
-    result = _run(*args)
+  # Flags and keys are read before JAX is imported, a missing workdir after:
+  # one of run()'s errors, each one line (the others: the test below).
+  for bad in ('--bogus=1', '--config.bim_stepz=3',
+              f'--models={tmp_path / "missing"}'):
+    result = _run(f'--workdir={tmp_path / "out"}', bad)
     assert result.returncode == 2, (bad, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error:'), result.stderr
+  assert 'is not a capsjax workdir' in lines[0], lines
+
+
+@pytest.mark.parametrize('overrides', [{}, {'loss': 'hinge'}])
+def test_nothing_to_attack_is_refused_before_anything_runs(tmp_path,
+                                                            overrides):
+  config = adversarial_config.get_config()
+  config.update(overrides)
+  assert not config.train
+  with pytest.raises(ValueError, match='no models to attack: pass --models'):
+    adversarial_experiment.run(config, str(tmp_path / 'out'))
 
 
 @needs_mnist
