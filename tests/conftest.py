@@ -12,16 +12,12 @@ _CALLER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
 os.environ['XLA_FLAGS'] = (_CALLER_XLA_FLAGS +
                            ' --xla_backend_optimization_level=0').strip()
 
-# One persistent XLA compilation cache for the whole session, shared by the
-# two workers and the training subprocesses: a program one of them compiled
-# is read by the others, and runs that resume or repeat a computation reuse
-# it. Every program, not only those over a second: most of the suite's are
-# small, and the two workers compile many of the same (measured on the
-# routing, layer and model tests: 69 -> 58 s on 2 workers, cold).
+# One persistent XLA compilation cache for the whole session, shared with the
+# training subprocesses: runs that resume or repeat a computation reuse it.
 os.environ.setdefault(
     'JAX_COMPILATION_CACHE_DIR',
     os.path.join(tempfile.gettempdir(), f'capsjax-test-xla-cache-{os.getuid()}'))
-os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '1')
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -102,10 +98,9 @@ def training_env(full_speed: bool = False) -> dict[str, str]:
     suite's lowest optimisation level, which compiles them faster.
   """
   flags = _CALLER_XLA_FLAGS if full_speed else os.environ['XLA_FLAGS']
-  # Every compilation cached (as above, whatever the caller's environment
-  # says): tests start the same training again (killed, resumed, a second
-  # process), and the rerun then compiles nothing (a SIGKILL-resume test:
-  # 78 -> 62 CPU s).
+  # Every compilation cached, not only those over a second: tests start the
+  # same training again (killed, resumed, a second process), and the rerun
+  # then compiles nothing (a SIGKILL-resume test: 78 -> 62 CPU s).
   return dict(os.environ, CAPSJAX_NO_PROGRESS='1', XLA_FLAGS=flags,
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
 
