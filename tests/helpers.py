@@ -6,8 +6,10 @@ import struct
 
 import jax
 import numpy as np
+from flax import nnx
 from scipy import io as scipy_io
 
+from capsjax import models
 from capsjax.data import cifar10
 from capsjax.data import smallnorb as norb
 from capsjax.data import write_cifar_binary
@@ -72,7 +74,22 @@ def output_and_grads(conv, x, kernel, cotangent):
 # One jitted output_and_grads for every comparison, so that a convolution
 # passed again (the same object, e.g. from direct_reference) with inputs of
 # shapes seen before reuses its compiled program.
-_jit_output_and_grads = jax.jit(output_and_grads, static_argnums=0)
+jit_output_and_grads = jax.jit(output_and_grads, static_argnums=0)
+
+
+@functools.cache
+def _jitted_create_model(name, options):
+  return nnx.jit(lambda: models.create_model(name, rngs=nnx.Rngs(0),
+                                             **dict(options)))
+
+
+def created_model(name, **options):
+  """``models.create_model(name, rngs=nnx.Rngs(0), **options)`` built as
+  one compiled program, kept for the next call with the same options
+  (eagerly, each initialiser compiles per shape); a new model each call.
+  Its initial values may differ from an eager build's in the last bit: for
+  checks that do not depend on them."""
+  return _jitted_create_model(name, tuple(sorted(options.items())))()
 
 
 @functools.cache
@@ -88,9 +105,8 @@ def assert_equals_direct(fast, direct, x, kernel, cotangent):
   """``fast`` and ``direct`` (convolutions of (x, kernel)) agree in values
   and in the gradients with respect to both the input and the kernel;
   returns fast's output."""
-  run = _jit_output_and_grads
-  out, (gx, gk) = run(fast, x, kernel, cotangent)
-  ref, (gx_ref, gk_ref) = run(direct, x, kernel, cotangent)
+  out, (gx, gk) = jit_output_and_grads(fast, x, kernel, cotangent)
+  ref, (gx_ref, gk_ref) = jit_output_and_grads(direct, x, kernel, cotangent)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-4)

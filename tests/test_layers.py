@@ -20,12 +20,11 @@ from capsjax.routing import matrix_capsules
 from tests.helpers import assert_equals_direct
 from tests.helpers import conv_reference
 from tests.helpers import direct_reference
-from tests.helpers import output_and_grads
+from tests.helpers import jit_output_and_grads
 from tests.helpers import random_normal
 
 # The output and both gradients as one compiled program (eagerly, each
 # operation of the convolution and its transpose compiles on its own).
-_output_and_grads = jax.jit(output_and_grads, static_argnums=0)
 
 
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
@@ -96,7 +95,7 @@ def test_narrow_conv_kernel_gradient_is_the_correlation_sum():
   cotangent = np.asarray(random_normal(2, (3, 5, 3, 4)), np.float64)
   kernel = jnp.zeros((3, 4, 2, 4), jnp.float32)
   _, _, ref = conv_reference(x, kernel, cotangent)
-  _, (_, grad) = _output_and_grads(lowerings.narrow_conv,
+  _, (_, grad) = jit_output_and_grads(lowerings.narrow_conv,
                                     x.astype(np.float32), kernel,
                                     cotangent.astype(np.float32))
   np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)
@@ -120,7 +119,7 @@ def test_taps_input_gradient_is_the_transposed_sum(kernel_size, stride,
   _, ref, _ = conv_reference(np.zeros((2, height, width, 3)), kernel,
                               cotangent, stride)
   x = np.zeros((2, height, width, 3), np.float32)
-  _, (grad, _) = _output_and_grads(
+  _, (grad, _) = jit_output_and_grads(
       functools.partial(lowerings.taps_conv, stride=stride), x,
       kernel.astype(np.float32), cotangent.astype(np.float32))
   np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)

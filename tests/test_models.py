@@ -14,6 +14,7 @@ from capsjax import models
 from capsjax import routing
 from capsjax import training
 from tests.conftest import unit_tier_keeps
+from tests.helpers import created_model
 
 # Small widths: the full models are slow to compile and run on a CPU.
 SMALL_CAPSNET = dict(conv1_channels=16, primary_types=4,
@@ -31,14 +32,6 @@ def _abstract(name, **options):
   """The model with abstract parameters: counts and errors without compute."""
   return nnx.eval_shape(
       lambda: models.create_model(name, rngs=nnx.Rngs(0), **options))
-
-
-def _created(name, **options):
-  """The model built as one compiled program (eagerly, each initialiser
-  compiles per shape); for checks that do not depend on the exact initial
-  values, which may differ from an eager build's in the last bit."""
-  return nnx.jit(lambda: models.create_model(name, rngs=nnx.Rngs(0),
-                                             **options))()
 
 
 def _all_finite(tree):
@@ -139,7 +132,7 @@ def test_bfloat16_forward_keeps_class_scores_distinct(name):
   float32, and the same predictions where float32's top two are apart."""
   from capsjax.training import state as state_lib
   options, spatial, channels = REGISTRY_INPUTS[name]
-  model = _created(name, **options)
+  model = created_model(name, **options)
   h, w = spatial or (28, 28)
   images = jax.jit(jax.random.uniform, static_argnums=1)(
       jax.random.key(1), (16, h, w, channels))
@@ -239,7 +232,7 @@ def test_two_digit_parameter_counts():
 
 def test_capsnet_small_outputs_masks_and_grads():
   dims = chex.Dimensions(B=2, K=10, D=16, I=6 * 6 * 4, N=28 * 28)
-  model = _created('capsnet', **SMALL_CAPSNET)
+  model = created_model('capsnet', **SMALL_CAPSNET)
   images = _images(0, (dims.B, 28, 28, 1))
   labels = np.array([3, 7], np.int32)
   multi_hot = np.zeros((dims.B, dims.K), np.float32)
@@ -310,7 +303,7 @@ def test_baseline_cnn_small_dropout_only_in_training():
 
 def test_matrix_capsnet_small_outputs_and_grads():
   dims = chex.Dimensions(B=2, K=5, P=4)
-  model = _created('matrix_capsnet', **SMALL_MATRIX)
+  model = created_model('matrix_capsnet', **SMALL_MATRIX)
   images = _images(3, (dims.B, 32, 32, 1))
   (value, out), grads = _loss_and_grads(
       model, images, None, loss_key=('class_scores', 'poses'))
@@ -398,8 +391,8 @@ def test_matrix_capsnet_caps1_iterations_override_only_convcaps1():
 
 
 def test_matrix_capsnet_init_options():
-  paper = _created('matrix_capsnet', **SMALL_MATRIX)
-  authors = _created('matrix_capsnet', init='authors', **SMALL_MATRIX)
+  paper = created_model('matrix_capsnet', **SMALL_MATRIX)
+  authors = created_model('matrix_capsnet', init='authors', **SMALL_MATRIX)
   np.testing.assert_allclose(paper.caps1.beta_a[...], 0.0)
   np.testing.assert_allclose(authors.caps1.beta_a[...], 0.5)
   np.testing.assert_allclose(authors.caps2.beta_u[...], 0.5)
@@ -410,7 +403,7 @@ def test_matrix_capsnet_init_options():
 
 @pytest.mark.parametrize('name', ['two_digit_baseline', 'two_digit_capsnet'])
 def test_two_digit_models_accept_any_width(name):
-  model = _created(name, **SMALL_TRUNK)
+  model = created_model(name, **SMALL_TRUNK)
 
   @nnx.jit
   def run(model, single, pair):
@@ -436,11 +429,11 @@ def test_two_digit_models_accept_any_width(name):
 
 
 def test_matrix_capsnet_transform_std_sets_every_em_layers_init():
-  model = _created('matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
+  model = created_model('matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
                    A=8, B=8, C=8, D=8, transform_std=1.0)
   for layer in (model.caps1, model.caps2, model.class_caps):
     assert abs(float(np.std(layer.weights[...])) - 1.0) < 0.1
-  default = _created('matrix_capsnet', input_shape=(28, 28, 1),
+  default = created_model('matrix_capsnet', input_shape=(28, 28, 1),
                      num_classes=10, A=8, B=8, C=8, D=8)
   assert abs(float(np.std(default.caps1.weights[...])) - 0.5) < 0.05
   with pytest.raises(ValueError, match='transform_std must be > 0'):

@@ -25,6 +25,7 @@ from experiments.configs import capsnet_multimnist
 from tests import conftest
 from tests.conftest import REPO
 from tests.conftest import needs_mnist
+from tests.helpers import created_model
 
 SMALL_CAPSNET = dict(conv1_channels=8, primary_types=2, decoder_widths=(16,))
 
@@ -145,9 +146,7 @@ def test_top_2_metric_on_hand_made_scores():
 @pytest.fixture(scope='module')
 def capsnet():
   # Built in one compiled program, not one per initialiser op and shape.
-  return nnx.jit(lambda: models.create_model(
-      'capsnet', rngs=nnx.Rngs(0), input_shape=(36, 36, 1),
-      **SMALL_CAPSNET))()
+  return created_model('capsnet', input_shape=(36, 36, 1), **SMALL_CAPSNET)
 
 
 def test_decoder_masks_each_digits_own_capsule(capsnet):

@@ -22,6 +22,7 @@ from tests.conftest import REPO
 from tests.helpers import assert_equals_direct
 from tests.helpers import conv_reference
 from tests.helpers import direct_conv
+from tests.helpers import jit_output_and_grads
 from tests.helpers import output_and_grads
 from tests.helpers import random_normal
 
@@ -57,7 +58,7 @@ def test_values_and_both_gradients_are_the_convolution_sums(stride, padding):
   kernel = random_normal(1, (3, 2, 5, 4), 0.3)
   out_shape = onednn.output_shape(x.shape, kernel.shape, stride, padding)
   cotangent = random_normal(2, out_shape)
-  out, (gx, gk) = jax.jit(output_and_grads, static_argnums=0)(
+  out, (gx, gk) = jit_output_and_grads(
       lambda x, k: onednn.conv(x, k, stride, padding), x, kernel, cotangent)
   ref, gx_ref, gk_ref = conv_reference(x, kernel, cotangent, stride, padding)
   assert out.shape == ref.shape == out_shape
@@ -108,7 +109,7 @@ def test_default_cpu_conv_is_onednn_and_equals_direct(
   conv = lambda x, k: kernels.conv2d(x, k, stride, padding)
   direct = lambda x, k: direct_conv(x, k, stride, padding)
   cotangent = random_normal(2, jax.eval_shape(direct, x, kernel).shape)
-  hlo = jax.jit(output_and_grads, static_argnums=0).lower(
+  hlo = jit_output_and_grads.lower(
       conv, x, kernel, cotangent).as_text()
   called = {name for name in ('OnednnConvForward', 'OnednnConvInputGrad',
                               'OnednnConvKernelGrad') if name in hlo}
@@ -139,7 +140,7 @@ def test_degenerate_inputs_give_finite_values_and_gradients():
   kernel = random_normal(1, (3, 3, 16, 8), 0.1)
   for scale in (0.0, 1e30, 1e-30):
     x = scale * random_normal(0, (2, 5, 5, 16))
-    out, (gx, gk) = jax.jit(output_and_grads, static_argnums=0)(
+    out, (gx, gk) = jit_output_and_grads(
         onednn.conv, x, kernel, np.ones((2, 3, 3, 8), np.float32))
     for a in (out, gx, gk):
       assert np.all(np.isfinite(np.asarray(a))), scale

@@ -26,7 +26,6 @@ import pytest
 
 from capsjax import kernels
 from capsjax import losses
-from capsjax import models
 from capsjax.kernels import conv
 from capsjax.kernels.conv import lowerings
 from capsjax.kernels.conv import onednn
@@ -34,7 +33,8 @@ from capsjax.kernels.conv import products
 from capsjax.routing import votes
 from capsjax.training import state as state_lib
 from tests.helpers import conv_reference
-from tests.helpers import output_and_grads
+from tests.helpers import created_model
+from tests.helpers import jit_output_and_grads
 from tests.helpers import random_normal
 
 BF16_EPS = 2.0**-8
@@ -95,7 +95,7 @@ def _check_against_reference(x_shape, kernel_shape, stride, padding,
   out_shape = onednn.output_shape(x_shape, kernel_shape, stride, pads)
   cotangent, dy64 = _bf16(2, out_shape)
   fn = lambda x, k: kernels.conv2d(x, k, stride, padding)
-  run = jax.jit(output_and_grads, static_argnums=0)
+  run = jit_output_and_grads
   out, (gx, gk) = run(fn, x, kernel, cotangent)
   assert out.dtype == gx.dtype == gk.dtype == jnp.bfloat16
   assert out.shape == out_shape
@@ -248,8 +248,7 @@ def _built(name, options):
   """The model built as one compiled program, once per test session (the
   tests only split it); eagerly each initialiser compiles per shape. The
   checks here do not depend on the exact initial values."""
-  return nnx.jit(lambda: models.create_model(name, rngs=nnx.Rngs(0),
-                                             **dict(options)))()
+  return created_model(name, **dict(options))
 
 
 def _capsnet_loss(params, graphdef, rest, images, labels):
@@ -299,7 +298,7 @@ def test_large_bfloat16_dense_products_go_to_onednn(monkeypatch):
   kernel, k64 = _bf16(1, (40, 24), 0.2)
   cotangent, dy64 = _bf16(2, (2, 3, 24))
   layer = lambda x, k: conv.dot_general(x, k, (((2,), (0,)), ((), ())))
-  run = jax.jit(output_and_grads, static_argnums=0)
+  run = jit_output_and_grads
   assert 'OnednnMatmul' in run.lower(layer, x, kernel, cotangent).as_text()
   out, (gx, gk) = run(layer, x, kernel, cotangent)
   assert out.dtype == gx.dtype == gk.dtype == jnp.bfloat16
@@ -348,7 +347,7 @@ def test_shared_votes_go_to_onednn_in_bfloat16(monkeypatch):
   dv, dv64 = _bf16(2, (3, 7, 5, 4))
   shared = lambda u, w: votes.shared_vector_votes(
       u, w, dot_general=conv.dot_general)
-  run = jax.jit(output_and_grads, static_argnums=0)
+  run = jit_output_and_grads
   assert 'OnednnMatmul' in run.lower(shared, u, w, dv).as_text()
   out, (gu, gw) = run(shared, u, w, dv)
   assert out.shape == (3, 7, 5, 4) and out.dtype == gu.dtype == jnp.bfloat16
