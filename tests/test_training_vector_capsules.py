@@ -633,11 +633,7 @@ def test_bad_config_value_is_one_error_line_and_exit_2(tmp_path, tiny_mnist):
 def test_bad_config_value_is_refused_before_training(tmp_path, tiny_mnist, key,
                                                      value, message):
   config = tiny_config(tiny_mnist)
-  with config.unlocked():
-    if key.startswith('model_options.'):
-      config.model_options[key.split('.')[1]] = value
-    else:
-      config[key] = value
+  config.update_from_flattened_dict({key: value})
   workdir = tmp_path / 'w'
   with pytest.raises(ValueError, match=re.escape(message)):
     training.train(config, str(workdir))
