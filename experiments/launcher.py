@@ -212,6 +212,8 @@ def _key_comments(path: str) -> dict[str, str]:
 def _model_options(model) -> dict:
   """The options of ``config.model`` (a name or a 'module:Class' of
   yours) and their defaults; {} when it names no model."""
+  if not model:  # e.g. a config of several runs: answered without JAX
+    return {}
   from capsjax import models  # imports jax: after the flags
   try:
     return models.model_options(model)

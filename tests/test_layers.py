@@ -28,7 +28,9 @@ from tests.helpers import random_normal
 
 
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
-    (9, 1, 28, 28),  # CapsNet conv1
+    # CapsNet conv1: the slow tier's (a third of the test's time; stride 1
+    # and kernel 9 are each in the unit tier below).
+    pytest.param(9, 1, 28, 28, marks=pytest.mark.slow),
     (3, 1, 7, 9),  # Su's trunk
     (1, 1, 4, 5),  # a 1x1 kernel: no patches to concatenate
     (9, 2, 20, 20),  # PrimaryCaps
@@ -599,7 +601,8 @@ _NORMALIZERS = {'window': {}, 'across': {'normalize_across_positions': True},
 # differences (the others' gradients equal the whole layer's, so they would
 # repeat that check).
 @pytest.mark.parametrize('normalizer,chunks', [
-    ('window', (4, 1, 13)),
+    ('window', (4, 13)),
+    pytest.param('window', (1,), marks=pytest.mark.slow),
     pytest.param('across', (1,), marks=pytest.mark.slow),
     pytest.param('released', (6, 13), marks=pytest.mark.slow)])
 def test_conv_capsules_window_chunks_equal_the_whole_layer(normalizer, chunks):

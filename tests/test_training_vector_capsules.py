@@ -46,10 +46,10 @@ def _launch(workdir, config, *overrides, module='experiments.train'):
       env=conftest.training_env())
 
 
-def _final_params(workdir):
-  model = checkpoints.load_trained_model(str(workdir), which='latest')
-  from flax import nnx
-  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+# A loaded model's class scores on uint8 images, as one compiled program
+# (eagerly, each operation of the forward pass compiles on its own).
+_test_scores = nnx.jit(lambda model, images: model(
+    images.astype(jnp.float32) / 255.0, train=False)['class_scores'])
 
 
 def check_smoke_capsnet(workdir):
@@ -302,8 +302,7 @@ def test_sigkill_anywhere_incl_mid_checkpoint_resumes_bit_identically(
   test = data_lib.load_dataset('mnist', data_dir=tiny_mnist,
                                validation_size=TINY['validation_size']).test
   model = training.load_trained_model(str(workdir), 'best')
-  lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
-                             train=False)['class_scores'])
+  lengths = np.asarray(_test_scores(model, test.images))
   assert summaries[1]['test']['accuracy'] == pytest.approx(
       np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
 
@@ -340,8 +339,7 @@ def test_without_selection_the_last_weights_are_tested(tmp_path, tiny_mnist):
   test = data_lib.load_dataset('mnist', data_dir=tiny_mnist,
                                validation_size=TINY['validation_size']).test
   model = checkpoints.load_trained_model(workdir)  # 'selected': the latest
-  lengths = np.asarray(model(test.images.astype(np.float32) / 255.0,
-                             train=False)['class_scores'])
+  lengths = np.asarray(_test_scores(model, test.images))
   assert summary['test']['accuracy'] == pytest.approx(
       np.mean(np.argmax(lengths, -1) == test.labels), abs=1e-12)
   with pytest.raises(ValueError, match="which must be 'selected'"):
@@ -383,7 +381,7 @@ def test_each_stop_signal_becomes_a_stop_request_and_handlers_come_back():
         signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
         reason='SIGHUP is ignored here (nohup), and so in the run')])])
 def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
-                                                        signum):
+                                                        signum, capsys):
   """Ctrl-C, a scheduler's SIGTERM or a closed terminal's SIGHUP: a
   checkpoint of the current step, one line, exit 128 + signal; a rerun
   resumes there."""
@@ -415,13 +413,13 @@ def test_stop_signal_saves_the_current_step_and_says_so(tmp_path, tiny_mnist,
   assert checkpoints.Checkpointer(str(workdir / 'checkpoints')).latest_step(
   ) == step
   assert not (workdir / 'summary.json').exists()
-  resumed = _launch(workdir, config, *tiny_flags(
+  # The rerun in process (the command line's resume: the SIGKILL test).
+  summary = vector_capsules.train_and_evaluate(tiny_config(
       tiny_mnist, num_train_steps=step + 2, checkpoint_every_steps=1000,
-      eval_every_steps=1000))
-  out, _ = resumed.communicate(timeout=300)
-  assert resumed.returncode == 0, out
+      eval_every_steps=1000), str(workdir))
+  out = capsys.readouterr().out
   assert f'Resuming from the checkpoint of step {step} in {workdir}.' in out
-  assert json.load(open(workdir / 'summary.json'))['steps'] == step + 2
+  assert summary['steps'] == step + 2
 
 
 def test_checkpoints_also_by_wall_time(tmp_path, tiny_mnist):
@@ -482,24 +480,19 @@ def test_rerun_with_another_config_is_checked_before_anything_is_written(
   assert (workdir / 'config.json').read_bytes() == stored
   assert sorted(p.relative_to(workdir) for p in workdir.rglob('*')) == files
   capsys.readouterr()
-  # More steps: accepted and said; another learning rate: a warning.
+  # More steps and another implementation of the same parameters: accepted
+  # and said; another learning rate: a warning.
   longer = tiny_config(tiny_mnist, num_train_steps=6, learning_rate=5e-3)
+  longer.model_options.implementation = 'xla'
   summary = vector_capsules.train_and_evaluate(longer, str(workdir))
   out = capsys.readouterr().out
-  assert 'Changed from the stored config: num_train_steps 4 -> 6.' in out, out
+  assert ('Changed from the stored config: model_options.implementation None '
+          "-> 'xla'; num_train_steps 4 -> 6.") in out, out
   assert ('Warning: resuming with values that differ from the stored config '
           '(the run is then no longer one protocol): learning_rate 0.002 -> '
           '0.005.') in out, out
   assert 'Resuming from the checkpoint of step 4' in out
   assert summary['steps'] == 6
-  # Another implementation of the same parameters: accepted and said.
-  other_impl = tiny_config(tiny_mnist, num_train_steps=7, learning_rate=5e-3)
-  other_impl.model_options.implementation = 'xla'
-  summary = vector_capsules.train_and_evaluate(other_impl, str(workdir))
-  out = capsys.readouterr().out
-  assert ('Changed from the stored config: model_options.implementation None '
-          "-> 'xla'; num_train_steps 6 -> 7.") in out, out
-  assert summary['steps'] == 7
 
 
 def test_unwritable_workdir_names_it_and_the_fix(tmp_path, tiny_mnist):
