@@ -326,8 +326,10 @@ def test_distort_matches_float64_reference(images):
   assert offsets.min() >= 0 and offsets.max() <= 8
   assert np.all(np.abs(delta) <= 63 / 255)
   assert np.all((factor >= 0.2) & (factor <= 1.8))
-  np.testing.assert_array_equal(np.asarray(_train_preprocess(key, images)),
-                                out)
+  # Two programs: their fused code may round the standardisation a few
+  # ulps apart (a wrong draw differs by whole pixels).
+  np.testing.assert_allclose(np.asarray(_train_preprocess(key, images)), out,
+                             rtol=0, atol=1e-5)
 
 
 def test_draws_cover_crops_and_flips():
@@ -342,8 +344,9 @@ def test_no_flip_and_flip_left_right(images):
   key = jax.random.key(1)
   plain = _train_preprocess(key, images, flip=False)
   offsets, flips, delta, factor = _draws(key, 16, 32, 32)
-  np.testing.assert_array_equal(
-      plain, _distort(images, offsets, np.zeros(16, bool), delta, factor))
+  np.testing.assert_allclose(  # two programs, as above
+      plain, _distort(images, offsets, np.zeros(16, bool), delta, factor),
+      rtol=0, atol=1e-5)
   x = np.arange(2 * 2 * 3 * 1, dtype=np.int32).reshape(2, 2, 3, 1)
   flipped = jax.jit(cifar10.flip_left_right)(x, np.array([True, False]))
   np.testing.assert_array_equal(flipped[0], x[0, :, ::-1])

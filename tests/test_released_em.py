@@ -12,6 +12,7 @@ along random directions (exact to rounding, no finite-difference error).
 import dataclasses
 import functools
 import math
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -315,6 +316,29 @@ def test_released_conv_assignments_sum_to_the_number_of_parent_types():
   # The centre child (2, 2) of a 5x5 grid is covered by all 9 windows.
   total = sum(r[0, h, w, 2 - h, 2 - w] for h in range(3) for w in range(3))
   np.testing.assert_allclose(total, np.ones((2, 4)), rtol=1e-5)
+
+
+def test_the_normalizers_max_shares_its_gradient_among_near_ties():
+  """The released normaliser differentiates its max (as the released code
+  does): the gradient goes to the entries at the max, ties sharing it, as
+  jnp.max's does; entries within a few ulps count as ties, so that fused
+  code that recomputes them with another rounding cannot leave none (0/0)."""
+  rng = np.random.default_rng(2)
+  normalize = votes_lib.released_conv_normalizer(3, 3, 3, 1, 2)
+  loss = lambda x: jnp.sum(jnp.sin(normalize(x)))  # noqa: E731
+  with jax.enable_x64(True):
+    for x in (rng.standard_normal((1, 3, 3, 18, 4)),  # one max per group
+              np.ones((1, 3, 3, 18, 4))):  # every entry tied
+      grad = jax.jit(jax.grad(loss))(x)
+      with mock.patch.object(votes_lib, '_max_sharing_ties',
+                             lambda x, axis: jnp.max(x, axis, keepdims=True)):
+        want = jax.jit(jax.grad(loss))(x)  # jnp.max's own gradient
+      np.testing.assert_allclose(grad, want, rtol=1e-12, atol=1e-15)
+      assert np.all(np.isfinite(grad))
+    top = jax.grad(lambda x: jnp.sum(votes_lib._max_sharing_ties(x, (0,))))  # pylint: disable=protected-access
+    near = np.array([1.0, 1.0 - 4 * np.finfo(np.float64).eps, 0.5])
+    np.testing.assert_array_equal(top(near), [0.5, 0.5, 0.0])
+    np.testing.assert_array_equal(top(np.array([1.0, 0.999, 0.5])), [1, 0, 0])
 
 
 def test_released_preset_differs_from_the_paper_form():

@@ -7,6 +7,7 @@ capsules, Din/Dout vector capsule dimensions, P the side of a pose matrix
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -273,6 +274,35 @@ def conv_parent_normalizer(height: int, width: int, kernel_size: int,
   return normalize
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _max_sharing_ties(x: jax.Array, axis: tuple[int, ...]) -> jax.Array:
+  """``jnp.max(x, axis, keepdims=True)`` whose gradient goes to the
+  entries at the max, shared equally among ties (jnp.max's and
+  TensorFlow's rule), found within a few ulps of the max.
+
+  jnp.max finds them by exact equality with the max. XLA may compute x
+  again inside the comparison's fused code, where it can round differently
+  from the max's (vector and scalar code paths, FMA contraction): then no
+  entry equals the max and the gradient is 0/0 = NaN. Measured on XLA:CPU
+  with its LLVM IR fusion emitters (``--xla_cpu_use_fusion_emitters=false``):
+  the released conv routing's gradients were NaN for 3 of 6 float64 test
+  cases.
+  """
+  return jnp.max(x, axis=axis, keepdims=True)
+
+
+@_max_sharing_ties.defjvp
+def _max_sharing_ties_jvp(axis, primals, tangents):
+  (x,), (dx,) = primals, tangents
+  top = jnp.max(x, axis=axis, keepdims=True)
+  # 64 ulps of the max (of 1 near 0): far below any gap between distinct
+  # routing logits, far above a recomputation's rounding.
+  tolerance = 64 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(top), 1.0)
+  at_top = (x >= top - tolerance).astype(x.dtype)
+  return top, (jnp.sum(dx * at_top, axis=axis, keepdims=True)
+               / jnp.sum(at_top, axis=axis, keepdims=True))
+
+
 def released_conv_normalizer(out_height: int, out_width: int,
                              kernel_size: int, stride: int, num_types: int,
                              *, true_stride: bool = False,
@@ -316,7 +346,7 @@ def released_conv_normalizer(out_height: int, out_width: int,
           f'{log_numerators.shape}.')
     u = log_numerators.reshape(batch, out_h, out_w, kernel_size, kernel_size,
                                num_types, num_out)
-    shifted = u - jnp.max(u, axis=(1, 2, 3, 4), keepdims=True)
+    shifted = u - _max_sharing_ties(u, (1, 2, 3, 4))
     e = jnp.exp(shifted)
     # [B, H', W', K, K, C, O] -> sums on the child grid [B, Hc, Wc, C, O].
     child_sum = jnp.zeros((batch, grid_h, grid_w, num_types, num_out),
