@@ -115,9 +115,9 @@ def pytest_runtest_setup(item):
 def training_env(full_speed: bool = False) -> dict[str, str]:
   """Environment for a training subprocess, without a progress bar.
 
-  full_speed: XLA's full optimisation, for runs long enough that execution
+  full_speed: XLA's own flags, for runs long enough that execution
     outweighs compilation (accuracy claims). Runs of a few steps keep the
-    suite's lowest optimisation level, which compiles them faster.
+    suite's flags (above), which compile them faster.
   """
   flags = _CALLER_XLA_FLAGS if full_speed else os.environ['XLA_FLAGS']
   # Every compilation cached, not only those over a second: tests start the

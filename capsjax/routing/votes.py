@@ -278,15 +278,13 @@ def conv_parent_normalizer(height: int, width: int, kernel_size: int,
 def _max_sharing_ties(x: jax.Array, axis: tuple[int, ...]) -> jax.Array:
   """``jnp.max(x, axis, keepdims=True)`` whose gradient goes to the
   entries at the max, shared equally among ties (jnp.max's and
-  TensorFlow's rule), found within a few ulps of the max.
+  TensorFlow's rule), ties counted within 64 ulps of the max.
 
   jnp.max finds them by exact equality with the max. XLA may compute x
-  again inside the comparison's fused code, where it can round differently
-  from the max's (vector and scalar code paths, FMA contraction): then no
-  entry equals the max and the gradient is 0/0 = NaN. Measured on XLA:CPU
-  with its LLVM IR fusion emitters (``--xla_cpu_use_fusion_emitters=false``):
-  the released conv routing's gradients were NaN for 3 of 6 float64 test
-  cases.
+  again inside the comparison's fused code, rounded differently from the
+  max's (vector and scalar code paths, FMA contraction): then no entry
+  equals the max and the gradient is 0/0 = NaN (seen with XLA:CPU's LLVM IR
+  fusion emitters: results/ci).
   """
   return jnp.max(x, axis=axis, keepdims=True)
 
@@ -295,8 +293,8 @@ def _max_sharing_ties(x: jax.Array, axis: tuple[int, ...]) -> jax.Array:
 def _max_sharing_ties_jvp(axis, primals, tangents):
   (x,), (dx,) = primals, tangents
   top = jnp.max(x, axis=axis, keepdims=True)
-  # 64 ulps of the max (of 1 near 0): far below any gap between distinct
-  # routing logits, far above a recomputation's rounding.
+  # 64 ulps of the max (of 1 near 0): above a recomputation's rounding;
+  # logits that close to the max share its gradient as exact ties do.
   tolerance = 64 * jnp.finfo(x.dtype).eps * jnp.maximum(jnp.abs(top), 1.0)
   at_top = (x >= top - tolerance).astype(x.dtype)
   return top, (jnp.sum(dx * at_top, axis=axis, keepdims=True)
