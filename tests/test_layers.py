@@ -23,9 +23,6 @@ from tests.helpers import direct_reference
 from tests.helpers import jit_output_and_grads
 from tests.helpers import random_normal
 
-# The output and both gradients as one compiled program (eagerly, each
-# operation of the convolution and its transpose compiles on its own).
-
 
 @pytest.mark.parametrize('kernel_size,stride,height,width', [
     # CapsNet conv1: the slow tier's (a third of the test's time; stride 1
@@ -98,8 +95,8 @@ def test_narrow_conv_kernel_gradient_is_the_correlation_sum():
   kernel = jnp.zeros((3, 4, 2, 4), jnp.float32)
   _, _, ref = conv_reference(x, kernel, cotangent)
   _, (_, grad) = jit_output_and_grads(lowerings.narrow_conv,
-                                    x.astype(np.float32), kernel,
-                                    cotangent.astype(np.float32))
+                                      x.astype(np.float32), kernel,
+                                      cotangent.astype(np.float32))
   np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -429,12 +429,12 @@ def test_two_digit_models_accept_any_width(name):
 
 
 def test_matrix_capsnet_transform_std_sets_every_em_layers_init():
-  model = created_model('matrix_capsnet', input_shape=(28, 28, 1), num_classes=10,
-                   A=8, B=8, C=8, D=8, transform_std=1.0)
+  model = created_model('matrix_capsnet', input_shape=(28, 28, 1),
+                        num_classes=10, A=8, B=8, C=8, D=8, transform_std=1.0)
   for layer in (model.caps1, model.caps2, model.class_caps):
     assert abs(float(np.std(layer.weights[...])) - 1.0) < 0.1
   default = created_model('matrix_capsnet', input_shape=(28, 28, 1),
-                     num_classes=10, A=8, B=8, C=8, D=8)
+                          num_classes=10, A=8, B=8, C=8, D=8)
   assert abs(float(np.std(default.caps1.weights[...])) - 0.5) < 0.05
   with pytest.raises(ValueError, match='transform_std must be > 0'):
     models.create_model('matrix_capsnet', rngs=nnx.Rngs(0), transform_std=0.0)
