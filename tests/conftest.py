@@ -3,36 +3,18 @@
 import os
 import tempfile
 
-
-def _xla_knows(flag: str) -> bool:
-  """Whether the installed jaxlib's XLA defines ``flag``: XLA aborts on an
-  unknown one in XLA_FLAGS, and a flag of today may be gone tomorrow (read
-  from its libraries, so that jax is not imported yet)."""
-  import glob
-  import importlib.util
-  import mmap
-  spec = importlib.util.find_spec('jaxlib')
-  for path in glob.glob(os.path.join(os.path.dirname(spec.origin), '*.so')):
-    with open(path, 'rb') as f, mmap.mmap(f.fileno(), 0,
-                                          access=mmap.ACCESS_READ) as data:
-      if data.find(flag.encode()) >= 0:
-        return True
-  return False
-
-
 # Unit tests spend most of their time in XLA compilation. The backend's
 # lowest optimisation level roughly halves it; XLA:CPU's LLVM IR fusion
 # emitters (rather than its MLIR ones) compile in about half the time again,
 # and their cost per program grows less over the thousands of programs a
 # worker compiles (a cold unit tier: 326 -> 224 s; results/ci). Set before
-# jax is imported. Training subprocesses keep these flags too, unless a run
-# long enough for execution to outweigh compilation asks for the caller's
-# own flags back (``training_env(full_speed=True)``).
+# JAX starts its backend (the emitters' flag below, where this jaxlib has
+# it). Training subprocesses keep these flags too, unless a run long enough
+# for execution to outweigh compilation asks for the caller's own flags back
+# (``training_env(full_speed=True)``).
 _CALLER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
-_TEST_XLA_FLAGS = ['--xla_backend_optimization_level=0']
-if _xla_knows('xla_cpu_use_fusion_emitters'):
-  _TEST_XLA_FLAGS.append('--xla_cpu_use_fusion_emitters=false')
-os.environ['XLA_FLAGS'] = ' '.join([_CALLER_XLA_FLAGS, *_TEST_XLA_FLAGS]).strip()
+os.environ['XLA_FLAGS'] = (_CALLER_XLA_FLAGS +
+                           ' --xla_backend_optimization_level=0').strip()
 
 # One persistent XLA compilation cache for the whole session, shared with the
 # training subprocesses: runs that resume or repeat a computation reuse it.
@@ -46,6 +28,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from capsjax.kernels.conv import dispatch  # noqa: E402
+
+# The LLVM IR emitters (above), only where this jaxlib's XLA has their flag
+# (it aborts on an unknown one).
+if dispatch.jaxlib_knows_flag('xla_cpu_use_fusion_emitters'):
+  os.environ['XLA_FLAGS'] += ' --xla_cpu_use_fusion_emitters=false'
 
 # XLA:CPU's Eigen convolutions, as the experiments run them (before JAX
 # starts its backend).

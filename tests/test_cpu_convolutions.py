@@ -67,7 +67,7 @@ def _probe(**env):
 
 
 needs_the_flag = pytest.mark.skipif(
-    not dispatch._jaxlib_knows_flag(),  # pylint: disable=protected-access
+    not dispatch.jaxlib_knows_flag(dispatch.YNN_FUSION_FLAG),
     reason='this jaxlib has no YNNPACK fusion flag')
 
 

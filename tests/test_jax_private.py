@@ -47,6 +47,6 @@ print(capsjax.prefer_eigen_convolutions())
                           capture_output=True, text=True, timeout=300,
                           check=False)
   assert result.returncode == 0, result.stderr[-1500:]
-  knows = dispatch._jaxlib_knows_flag()  # pylint: disable=protected-access
+  knows = dispatch.jaxlib_knows_flag(dispatch.YNN_FUSION_FLAG)
   assert result.stdout.startswith('applied' if knows else 'not applied'), (
       result.stdout)

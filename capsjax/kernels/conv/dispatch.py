@@ -27,8 +27,8 @@ import os
 
 from capsjax import _jax_private
 
-NO_YNN_CONVOLUTIONS = (
-    '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution')
+YNN_FUSION_FLAG = 'xla_cpu_experimental_ynn_fusion_type'
+NO_YNN_CONVOLUTIONS = f'--{YNN_FUSION_FLAG}=-individual_convolution'
 # The oldest jaxlib measured with the flag; an XLA that does not know a
 # flag in XLA_FLAGS aborts the process, so older ones are left alone.
 _MIN_JAXLIB = (0, 10)
@@ -46,17 +46,18 @@ def _jaxlib_version() -> tuple[int, ...]:
   return tuple(parts)
 
 
-def _jaxlib_knows_flag() -> bool:
-  """Whether jaxlib's XLA has the YNNPACK fusion flag (an XLA that meets
-  an unknown flag in XLA_FLAGS aborts the process): its name in the
-  library, found by a memory-mapped search, ~10 ms from the page cache."""
+def jaxlib_knows_flag(flag: str) -> bool:
+  """Whether jaxlib's XLA has the flag ``flag`` (its name without the
+  dashes; an XLA that meets an unknown flag in XLA_FLAGS aborts the
+  process): its name in the library, found by a memory-mapped search,
+  ~10 ms from the page cache."""
   spec = importlib.util.find_spec('jaxlib')
   for folder in (spec.submodule_search_locations or []) if spec else []:
     library = os.path.join(folder, 'libjax_common.so')
     if os.path.exists(library):
       with open(library, 'rb') as f, mmap.mmap(
           f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return data.find(b'xla_cpu_experimental_ynn_fusion_type') >= 0
+        return data.find(flag.encode()) >= 0
   return False
 
 
@@ -79,11 +80,12 @@ def prefer_eigen_convolutions() -> str:
   if _result is not None:
     return _result
   flags = os.environ.get('XLA_FLAGS', '')
-  if 'xla_cpu_experimental_ynn_fusion_type' in flags:
+  if YNN_FUSION_FLAG in flags:
     _result = 'not applied: XLA_FLAGS already sets the YNNPACK fusion types'
   elif backend_started():
     _result = 'not applied: the JAX backend had already started'
-  elif _jaxlib_version() < _MIN_JAXLIB or not _jaxlib_knows_flag():
+  elif (_jaxlib_version() < _MIN_JAXLIB
+        or not jaxlib_knows_flag(YNN_FUSION_FLAG)):
     _result = ('not applied: this jaxlib (older than 0.10, or without the '
                'flag) is left alone')
   else:
